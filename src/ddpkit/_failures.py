@@ -1,0 +1,101 @@
+"""Which worker failed first: per-worker failure records and their reading (layer 5, private).
+
+When one worker raises, it exits, and its peers then fail inside their
+collectives with "Connection reset by peer". The elastic agent reports only the
+first exited worker its poll happens to see, often a peer, and its error files
+carry whole-second timestamps. So every worker started by ddpkit writes its own
+record (error, traceback, exact time) into a directory the launcher owns before
+it exits; the earliest record is the root cause. On one machine this order is
+causal: the failing rank records before it exits, the peers fail after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ddpkit.errors import WorkerFailedError
+
+__all__ = ["FAILURE_DIR_VARIABLE", "read_records", "worker_failed_error", "write_record"]
+
+#: Environment variable naming the directory where workers write their failure records.
+FAILURE_DIR_VARIABLE = "DDPKIT_FAILURE_DIR"
+
+
+def write_record(directory: str | os.PathLike[str], exc: BaseException) -> None:
+    """Record that this worker is failing with ``exc`` (call it inside the ``except`` block)."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        exitcode = code if isinstance(code, int) else (0 if code is None else 1)
+    else:
+        exitcode = 1
+    record = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "time": time.time(),
+        "exitcode": exitcode,
+        "error": f"{type(exc).__name__}: {exc}",
+        "traceback": traceback.format_exc(),
+    }
+    path = Path(directory) / f"{record['attempt']}-{record['rank']}.json"
+    try:
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(record), encoding="utf-8")
+        temporary.replace(path)
+    except OSError:
+        pass  # the record is a diagnosis aid; never mask the worker's own error
+
+
+def read_records(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
+    """The records of the last attempt that left any, by global rank."""
+    records: list[dict[str, Any]] = []
+    for path in Path(directory).glob("*.json"):
+        try:
+            records.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return {}
+    last = max(int(r["attempt"]) for r in records)
+    return {int(r["rank"]): r for r in records if int(r["attempt"]) == last}
+
+
+def worker_failed_error(err: Any, records: dict[int, dict[str, Any]]) -> WorkerFailedError:
+    """Combine torch's ``ChildFailedError`` with the workers' records into one error.
+
+    The root cause is, in order: a worker killed by a signal that left no record
+    (a crash or a kill, which the others' errors follow from); else the
+    earliest record; else the agent's first failure.
+    """
+    failures: dict[int, str] = {rank: str(r["error"]) for rank, r in records.items()}
+    for rank, failure in err.failures.items():
+        failures.setdefault(rank, _agent_failure_text(failure)[0])
+
+    killed = [rank for rank, f in err.failures.items() if f.exitcode < 0 and rank not in records]
+    if killed:
+        rank = min(killed)
+        text, trace = _agent_failure_text(err.failures[rank])
+        return WorkerFailedError(rank, err.failures[rank].exitcode, text, trace, failures)
+    if records:
+        first = min(records.values(), key=lambda r: float(r["time"]))
+        return WorkerFailedError(
+            int(first["rank"]), int(first["exitcode"]), first["error"], first["traceback"], failures
+        )
+    rank, failure = err.get_first_failure()
+    text, trace = _agent_failure_text(failure)
+    return WorkerFailedError(rank, failure.exitcode, text, trace, failures)
+
+
+def _agent_failure_text(failure: Any) -> tuple[str, str]:
+    """(error text, traceback) of one of the agent's ``ProcessFailure`` objects."""
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {})
+        return str(message.get("message", "")), str(extra.get("py_callstack", "")) if isinstance(extra, dict) else ""
+    if failure.exitcode < 0:
+        return f"killed by signal {failure.signal_name()}", ""
+    return f"exited with code {failure.exitcode} (its stderr above has the details)", ""

@@ -1,0 +1,47 @@
+"""Run a user's script as ``python [-m] script args`` would, recording a failure first.
+
+``ddpkit run`` starts every worker as ``python -u -m ddpkit._script_runner
+script.py args`` so that a failing worker leaves a failure record (see
+:mod:`ddpkit._failures`) and the launcher can name the rank that failed first.
+The script sees the usual ``__name__ == "__main__"``, ``sys.argv`` and
+``sys.path[0]``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from ddpkit._failures import FAILURE_DIR_VARIABLE, write_record
+
+
+def main() -> None:
+    """Run the script or module named by ``sys.argv[1:]`` (``script.py args`` or ``-m module args``)."""
+    args = sys.argv[1:]
+    as_module = bool(args) and args[0] == "-m"
+    if as_module:
+        args = args[1:]
+    if not args:
+        raise SystemExit("usage: python -m ddpkit._script_runner [-m] SCRIPT_OR_MODULE [ARGS...]")
+    target, rest = args[0], args[1:]
+    sys.argv = [target, *rest]
+    directory = os.environ.get(FAILURE_DIR_VARIABLE)
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        if directory and exc.code not in (None, 0):
+            write_record(directory, exc)
+        raise
+    except BaseException as exc:
+        if directory:
+            write_record(directory, exc)
+        raise
+
+
+if __name__ == "__main__":
+    main()

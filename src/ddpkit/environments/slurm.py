@@ -1,0 +1,146 @@
+"""Tasks started by SLURM's ``srun``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ddpkit.environments.base import (
+    ClusterEnvironment,
+    ClusterSettings,
+    check_below,
+    env_or_os,
+    int_var,
+    port_from_job_id,
+    require,
+)
+from ddpkit.errors import ClusterEnvironmentError
+
+__all__ = ["SLURMEnvironment", "expand_hostlist"]
+
+_INTERACTIVE_JOB_NAMES = ("bash", "interactive")
+
+
+class SLURMEnvironment(ClusterEnvironment):
+    """One ``srun`` task per process.
+
+    Detected by ``SLURM_NTASKS`` or ``SLURM_PROCID``, unless ``SLURM_JOB_NAME`` is
+    ``bash`` or ``interactive`` (an interactive allocation, where you start the
+    processes yourself); ``DDPKIT_CLUSTER_ENV=local`` also turns it off. Reads
+    ``SLURM_PROCID`` (global rank), ``SLURM_NTASKS`` (world size),
+    ``SLURM_LOCALID`` (local rank), ``SLURM_NODEID`` (node rank). The master
+    address is ``MASTER_ADDR`` if set, else the first host of
+    ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``), bracket ranges such as
+    ``node[001-004,007]`` included. The master port is ``MASTER_PORT`` if set,
+    else ``15000`` plus the last four digits of ``SLURM_JOB_ID``, so that every
+    task of the job derives the same port.
+    """
+
+    name = "slurm"
+
+    @staticmethod
+    def detect(env: Mapping[str, str] | None = None) -> bool:
+        source = env_or_os(env)
+        if source.get("SLURM_JOB_NAME", "") in _INTERACTIVE_JOB_NAMES:
+            return False
+        return "SLURM_NTASKS" in source or "SLURM_PROCID" in source
+
+    @classmethod
+    def parse(cls, env: Mapping[str, str]) -> ClusterSettings:
+        fix = "run the processes with srun, or set DDPKIT_CLUSTER_ENV=local to ignore SLURM"
+        require(env, ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"), "the SLURM environment", fix)
+        nodelist_var = "SLURM_JOB_NODELIST" if env.get("SLURM_JOB_NODELIST", "").strip() else "SLURM_NODELIST"
+        world_size = int_var(env, "SLURM_NTASKS")
+        rank = int_var(env, "SLURM_PROCID")
+        local_rank = int_var(env, "SLURM_LOCALID")
+        node_rank = int_var(env, "SLURM_NODEID")
+        check_below("SLURM_PROCID", rank, "SLURM_NTASKS", world_size)
+        check_below("SLURM_LOCALID", local_rank, "SLURM_NTASKS", world_size)
+
+        master_addr = env.get("MASTER_ADDR", "").strip()
+        nodelist = env.get(nodelist_var, "").strip()
+        if nodelist:
+            hosts = expand_hostlist(nodelist)
+            check_below("SLURM_NODEID", node_rank, f"the number of hosts in {nodelist_var}={nodelist!r}", len(hosts))
+            master_addr = master_addr or hosts[0]
+        if not master_addr:
+            raise ClusterEnvironmentError(
+                "the SLURM environment is half-set: neither SLURM_JOB_NODELIST nor SLURM_NODELIST "
+                "nor MASTER_ADDR is set; " + fix
+            )
+        if env.get("MASTER_PORT", "").strip():
+            master_port = int_var(env, "MASTER_PORT")
+        elif env.get("SLURM_JOB_ID", "").strip():
+            master_port = port_from_job_id(env["SLURM_JOB_ID"], "SLURM_JOB_ID")
+        else:
+            raise ClusterEnvironmentError(
+                "the SLURM environment is half-set: neither SLURM_JOB_ID nor MASTER_PORT is set; " + fix
+            )
+        return ClusterSettings(master_addr, master_port, world_size, rank, local_rank, node_rank)
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Expand a SLURM host list into host names, in order.
+
+    Handles comma-separated hosts and bracket ranges with zero padding, several
+    per name: ``"node[001-003,007],gpu1"`` gives ``node001 node002 node003
+    node007 gpu1``; ``"r[1-2]n[1-2]"`` gives ``r1n1 r1n2 r2n1 r2n2``.
+
+    Raises:
+        ClusterEnvironmentError: unbalanced brackets, an empty item or a
+            descending or non-numeric range; the message quotes the list.
+    """
+    hosts: list[str] = []
+    for expression in _split_top_level(nodelist):
+        hosts.extend(_expand_expression(expression, nodelist))
+    if not hosts:
+        raise ClusterEnvironmentError(f"host list {nodelist!r} is empty")
+    return hosts
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    parts: list[str] = []
+    depth = 0
+    current = ""
+    for char in nodelist.strip():
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        if depth not in (0, 1):
+            raise ClusterEnvironmentError(f"host list {nodelist!r} has unbalanced brackets")
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    if depth != 0:
+        raise ClusterEnvironmentError(f"host list {nodelist!r} has unbalanced brackets")
+    parts.append(current)
+    if any(not part.strip() for part in parts):
+        raise ClusterEnvironmentError(f"host list {nodelist!r} has an empty item")
+    return [part.strip() for part in parts]
+
+
+def _expand_expression(expression: str, nodelist: str) -> list[str]:
+    start = expression.find("[")
+    if start < 0:
+        return [expression]
+    end = expression.index("]", start)
+    prefix, body, rest = expression[:start], expression[start + 1 : end], expression[end + 1 :]
+    suffixes = _expand_expression(rest, nodelist)
+    expanded: list[str] = []
+    for item in body.split(","):
+        for number in _expand_range(item.strip(), nodelist):
+            expanded.extend(prefix + number + suffix for suffix in suffixes)
+    return expanded
+
+
+def _expand_range(item: str, nodelist: str) -> list[str]:
+    low, _, high = item.partition("-")
+    high = high or low
+    if not (low.isdigit() and high.isdigit()):
+        raise ClusterEnvironmentError(f"host list {nodelist!r} has a non-numeric range {item!r}")
+    if int(high) < int(low):
+        raise ClusterEnvironmentError(f"host list {nodelist!r} has a descending range {item!r}")
+    width = len(low)
+    return [str(number).zfill(width) for number in range(int(low), int(high) + 1)]

@@ -1,0 +1,80 @@
+"""Exceptions and warnings raised by ddpkit (layer 0: imports nothing from ddpkit).
+
+Every ddpkit error derives from :class:`DDPKitError`, itself a ``RuntimeError``,
+so ``except RuntimeError`` written for ``torch.distributed`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClusterEnvironmentError",
+    "CollectiveMismatchError",
+    "DDPKitError",
+    "WarningDDP",
+    "WorkerFailedError",
+]
+
+
+class DDPKitError(RuntimeError):
+    """Base class of every error ddpkit raises on purpose."""
+
+
+class CollectiveMismatchError(DDPKitError):
+    """Ranks passed incompatible inputs to the same collective.
+
+    Raised on every rank, with each rank's value in the message (for example
+    ``"rank 0: float32 (4, 8); rank 1: float32 (4,)"``); the process group stays
+    usable afterwards.
+    """
+
+
+class ClusterEnvironmentError(DDPKitError):
+    """The cluster's environment variables are missing, half-set or contradictory.
+
+    The message names each offending variable with its value and says what to set.
+    """
+
+
+class WorkerFailedError(DDPKitError):
+    """A worker process of a launched job failed.
+
+    Attributes:
+        rank: global rank of the first worker that failed (the root cause).
+        exitcode: that worker's exit code (negative: killed by that signal number).
+        error: the worker's error text, e.g. ``"ValueError: bad batch"``.
+        traceback: the worker's Python traceback, or ``""`` when it left none
+            (for instance a script that did not use ``@record``, or a worker
+            killed by a signal); its stderr then holds the traceback.
+        failures: ``{rank: error text}`` for every worker that failed.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        exitcode: int,
+        error: str,
+        traceback: str = "",
+        failures: dict[int, str] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.error = error
+        self.traceback = traceback
+        self.failures = dict(failures) if failures is not None else {rank: error}
+        lines = [f"rank {rank} failed (exit code {exitcode}): {error}"]
+        others = {r: e for r, e in sorted(self.failures.items()) if r != rank}
+        if others:
+            lines.append("then: " + "; ".join(f"rank {r}: {e}" for r, e in others.items()))
+        if traceback:
+            lines.append(f"traceback of rank {rank}:\n{traceback.rstrip()}")
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self) -> tuple[type[WorkerFailedError], tuple[int, int, str, str, dict[int, str]]]:
+        return (type(self), (self.rank, self.exitcode, self.error, self.traceback, self.failures))
+
+
+class WarningDDP(UserWarning):
+    """A DDP helper was used outside DDP and fell back to its single-process behaviour.
+
+    Name from seed 001 (OML's ``oml.ddp.utils.WarningDDP``).
+    """

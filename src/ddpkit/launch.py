@@ -1,0 +1,321 @@
+"""Start N worker processes per node through PyTorch's elastic launcher (layer 5).
+
+ddpkit writes no launcher and no rendezvous of its own: :func:`launch` drives
+``torch.distributed.launcher.api.elastic_launch`` and :func:`run_script`
+drives ``torch.distributed.run`` (torchrun). What ddpkit adds:
+
+* loopback and a free port by default, so nothing listens beyond this machine;
+* restarts that work: on torch 2.13 a restarted attempt's
+  ``init_process_group`` finds the previous attempt's keys in the agent's shared
+  rendezvous store and fails to connect (plain ``torchrun --max-restarts 1``
+  failed 4 times out of 4 here). Each attempt gets its own store instead
+  (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the agent: rank 0 of each attempt
+  hosts a fresh store on a fresh port);
+* a failing worker becomes one :class:`~ddpkit.WorkerFailedError` naming the
+  rank, with its error text and traceback, after the agent has stopped every
+  other worker;
+* the caller's signal handlers and environment are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import textwrap
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error, write_record
+from ddpkit.environments import TorchElasticEnvironment, is_loopback
+from ddpkit.process_group import barrier, destroy_dist_connection, init_dist_connection
+
+__all__ = ["launch", "run_script"]
+
+StartMethod = Literal["spawn", "fork", "forkserver"]
+
+# Seconds the agent waits after SIGTERM before it SIGKILLs the remaining workers.
+_SHUTDOWN_GRACE_S = 5
+# Environment variables the elastic agent reads or writes in the launching process.
+_AGENT_ENV = (
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "OMP_NUM_THREADS",
+    FAILURE_DIR_VARIABLE,
+)
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    """What each worker process needs besides the positional arguments (pickled once per worker)."""
+
+    fn: Callable[..., Any]
+    failure_dir: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    backend: str | None = None
+    timeout: float | None = None
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nprocs: int | None = None,
+    nnodes: int = 1,
+    max_restarts: int = 0,
+    backend: str | None = None,
+    rdzv_endpoint: str | None = None,
+    start_method: StartMethod = "spawn",
+    timeout: float | None = None,
+    run_id: str | None = None,
+    **kwargs: Any,
+) -> dict[int, Any]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` new processes per node, as one DDP job.
+
+    Each worker initialises the default process group (through
+    :func:`~ddpkit.init_dist_connection`, gloo on CPU, NCCL on a rank that owns
+    a GPU) before calling ``fn`` and destroys it afterwards, so ``fn`` can use
+    collectives straight away. Call it under ``if __name__ == "__main__":``.
+
+    Args:
+        fn: a function defined at module top level (it is pickled to the workers).
+        *args, **kwargs: passed to ``fn``; they must be picklable.
+        nprocs: workers per node; default the number of CUDA devices, or 1 without CUDA.
+        nnodes: number of nodes; above 1, run ``launch`` on every node with the
+            same ``rdzv_endpoint`` and ``run_id``.
+        max_restarts: how many times the agent restarts all workers after one
+            fails. Restarted workers start ``fn`` afresh; resume from a checkpoint
+            to keep the work done.
+        backend: process-group backend; ``None`` chooses as ``init_dist_connection`` does.
+        rdzv_endpoint: ``HOST:PORT`` of the rendezvous; default a free port on
+            127.0.0.1 (single node only).
+        start_method: ``"spawn"`` (default, safe with CUDA and threads),
+            ``"forkserver"`` or ``"fork"``.
+        timeout: process-group timeout in seconds (default torch's, 30 minutes for gloo).
+        run_id: rendezvous id shared by the nodes of one job; default a fresh
+            id (single node) or ``"ddpkit"`` (several nodes).
+
+    Returns:
+        ``{global rank: fn's return value}`` for this node's workers.
+
+    Raises:
+        WorkerFailedError: a worker raised or died (after ``max_restarts``
+            restarts); every worker has been stopped when it is raised, and it
+            names the first failing rank with its error text and traceback.
+        TypeError: ``fn`` or the arguments cannot be pickled (a lambda, a nested
+            function) with ``spawn``/``forkserver``.
+        ValueError: ``nprocs``, ``nnodes`` or ``max_restarts`` out of range, or
+            several nodes without ``rdzv_endpoint``.
+        RuntimeError: called while a script without a ``__main__`` guard is being
+            re-imported by a spawned worker (the message shows the fix).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _check_missing_main_guard()
+    nprocs = _default_nprocs() if nprocs is None else nprocs
+    _check_counts(nprocs, nnodes, max_restarts)
+    if start_method not in ("spawn", "fork", "forkserver"):
+        raise ValueError(f"start_method={start_method!r} must be 'spawn', 'fork' or 'forkserver'")
+    endpoint, rdzv_id, local_addr = _rendezvous(nnodes, rdzv_endpoint, run_id)
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nprocs,
+        run_id=rdzv_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method=start_method,
+        local_addr=local_addr,
+        shutdown_timeout=_SHUTDOWN_GRACE_S,
+    )
+    with _agent_scope() as failure_dir:
+        spec = _WorkerSpec(fn, failure_dir, dict(kwargs), backend, timeout)
+        if start_method != "fork":
+            _check_picklable(spec, args)
+        try:
+            results: dict[int, Any] = elastic_launch(config, _worker_entry)(spec, *args)
+        except ChildFailedError as err:
+            raise worker_failed_error(err, read_records(failure_dir)) from err
+    return results
+
+
+def run_script(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    nprocs: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    run_id: str | None = None,
+    max_restarts: int = 0,
+    module: bool = False,
+) -> None:
+    """Run a torchrun-style script (``python script.py args``) on ``nprocs`` processes per node.
+
+    The script runs unchanged: it reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` and calls ``init_process_group`` itself
+    (or :func:`~ddpkit.init_dist_connection`). This is ``ddpkit run``; it uses
+    ``torch.distributed.run`` underneath, with the defaults and restart fix
+    described in this module. Arguments as for :func:`launch`; ``node_rank`` is
+    passed to torchrun, and ``module=True`` runs ``python -m script``.
+
+    Raises:
+        WorkerFailedError: a worker exited non-zero or died (after ``max_restarts``
+            restarts); its traceback is in its stderr unless it used ``@record``.
+        ValueError: counts out of range, or several nodes without ``rdzv_endpoint``.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    nprocs = _default_nprocs() if nprocs is None else nprocs
+    _check_counts(nprocs, nnodes, max_restarts)
+    endpoint, rdzv_id, local_addr = _rendezvous(nnodes, rdzv_endpoint, run_id)
+    argv = [
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nprocs}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--max-restarts={max_restarts}",
+        f"--shutdown-timeout={_SHUTDOWN_GRACE_S}",
+    ]
+    if local_addr:
+        argv.append(f"--local-addr={local_addr}")
+    # Every worker runs `python -u -m ddpkit._script_runner [-m] script args`: the script
+    # itself, plus a failure record that tells which rank failed first.
+    argv += ["--module", "ddpkit._script_runner", *(["-m"] if module else []), script, *script_args]
+    with _agent_scope() as failure_dir:
+        try:
+            torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
+        except ChildFailedError as err:
+            raise worker_failed_error(err, read_records(failure_dir)) from err
+
+
+# --- inside a worker --------------------------------------------------------------------
+
+
+def _worker_entry(spec: _WorkerSpec, *args: Any) -> Any:
+    """Entry point of every worker: group up, run ``fn``, group down."""
+    _limit_threads()
+    options: dict[str, Any] = {} if spec.timeout is None else {"timeout": spec.timeout}
+    try:
+        init_dist_connection(TorchElasticEnvironment(), spec.backend, **options)
+        result = spec.fn(*args, **spec.kwargs)
+        # Rank 0 hosts this attempt's store: keep it up until every rank is done.
+        barrier()
+        return result
+    except BaseException as exc:
+        write_record(spec.failure_dir, exc)
+        raise
+    finally:
+        destroy_dist_connection()
+
+
+def _limit_threads() -> None:
+    """Share the CPU cores among this node's workers, unless OMP_NUM_THREADS says otherwise."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+
+
+# --- in the launching process -----------------------------------------------------------
+
+
+def _default_nprocs() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def _check_counts(nprocs: int, nnodes: int, max_restarts: int) -> None:
+    for name, value, low in (("nprocs", nprocs, 1), ("nnodes", nnodes, 1), ("max_restarts", max_restarts, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+
+
+def _rendezvous(nnodes: int, rdzv_endpoint: str | None, run_id: str | None) -> tuple[str, str, str | None]:
+    """(endpoint, run id, local address) for the c10d rendezvous."""
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ValueError(
+            f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT', the same on every node "
+            "(HOST is the machine that hosts the rendezvous, reachable from all nodes)"
+        )
+    # Port 0: the single agent binds a free port itself, with no window for a race.
+    endpoint = rdzv_endpoint or "127.0.0.1:0"
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    local_addr = "127.0.0.1" if is_loopback(host) else None
+    return endpoint, run_id or ("ddpkit" if nnodes > 1 else uuid.uuid4().hex), local_addr
+
+
+def _check_picklable(spec: _WorkerSpec, args: tuple[Any, ...]) -> None:
+    try:
+        pickle.dumps((spec, args))
+    except Exception as exc:
+        raise TypeError(
+            f"launch() sends fn and its arguments to new processes with pickle, and pickling failed: {exc}. "
+            "Define fn at the top level of a module (not a lambda or a nested function) and pass picklable "
+            "arguments, or use start_method='fork'."
+        ) from exc
+
+
+def _check_missing_main_guard() -> None:
+    """Raise in a spawned child that is re-importing a script without a main guard."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    raise RuntimeError(
+        textwrap.dedent(
+            """\
+            ddpkit.launch() was called while a new worker process was importing your script: the 'spawn'
+            start method re-imports the main module in every worker. Guard the launching code:
+
+                def main():
+                    ...
+                    ddpkit.launch(train, nprocs=2)
+
+                if __name__ == "__main__":
+                    main()
+            """
+        )
+    )
+
+
+@contextmanager
+def _agent_scope() -> Iterator[str]:
+    """Set up one launch: each restart attempt gets its own store, workers get a failure-record
+    directory (yielded); afterwards, undo what the agent changed in this process."""
+    saved_env = {name: os.environ.get(name) for name in _AGENT_ENV}
+    saved_signals = _current_handlers()
+    failure_dir = tempfile.mkdtemp(prefix="ddpkit-failures-")
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ[FAILURE_DIR_VARIABLE] = failure_dir
+    try:
+        yield failure_dir
+    finally:
+        shutil.rmtree(failure_dir, ignore_errors=True)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for signum, handler in saved_signals.items():
+            signal.signal(signum, handler)
+
+
+def _current_handlers() -> dict[signal.Signals, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for name in _AGENT_SIGNALS if (sig := getattr(signal, name, None)) is not None}

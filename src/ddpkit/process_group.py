@@ -1,0 +1,363 @@
+"""The default process group: initialise, query, synchronise, seed (layer 2).
+
+Every helper here is safe without a process group: ranks read 0, world sizes 1,
+and barriers return at once, so the same code runs in one process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, ParamSpec, Protocol, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback
+from ddpkit.errors import ClusterEnvironmentError, DDPKitError
+
+__all__ = [
+    "barrier",
+    "collective_device",
+    "destroy_dist_connection",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_dist_connection",
+    "is_distributed",
+    "rank_zero_first",
+    "rank_zero_only",
+    "seed_everything",
+]
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+class SupportsClusterEnvironment(Protocol):
+    """What :func:`init_dist_connection` needs of a cluster environment (seed 002's methods).
+
+    ``global_rank()`` and ``local_rank()`` are used when present.
+    """
+
+    def master_address(self) -> str: ...
+
+    def master_port(self) -> int: ...
+
+    def world_size(self) -> int: ...
+
+
+def init_dist_connection(
+    cluster_environment: SupportsClusterEnvironment | None = None,
+    torch_distributed_backend: str | None = None,
+    global_rank: int | None = None,
+    world_size: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Initialise the default process group from a cluster environment (seed 003).
+
+    Sets ``MASTER_ADDR`` and ``MASTER_PORT`` from the environment, then calls
+    :func:`torch.distributed.init_process_group`. Every rank of the job must call
+    it. Calling it again once a group exists does nothing (but an explicit
+    ``global_rank`` or ``world_size`` that contradicts the existing group raises).
+
+    Args:
+        cluster_environment: where this process sits; ``None`` means
+            :func:`~ddpkit.detect_environment`. Any object with
+            ``master_address()``, ``master_port()`` and ``world_size()`` works;
+            ``global_rank()`` and ``local_rank()`` are used when it has them.
+        torch_distributed_backend: ``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"``,
+            ``"xccl"``, a device map such as ``"cpu:gloo,cuda:nccl"``, or
+            ``None``/``"auto"``: ``nccl`` when this rank owns a CUDA device (its
+            local rank is below the device count), else ``gloo``.
+        global_rank: this process's rank; default the environment's.
+        world_size: number of processes; default the environment's.
+        **kwargs: forwarded to ``init_process_group``, e.g. ``timeout`` (a
+            ``timedelta``, or a number of seconds) or ``init_method``.
+
+    When the master address is loopback and ``GLOO_SOCKET_IFNAME`` is unset, gloo
+    is pinned to the loopback interface: every peer is on this machine.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not available in this build.
+        ValueError: an unknown or unavailable backend (the message lists the valid
+            ones), ``nccl`` without a CUDA device, or a rank outside
+            ``[0, world_size)``.
+        ClusterEnvironmentError: several processes but no ``MASTER_PORT`` they
+            could agree on, or inconsistent environment variables.
+        DDPKitError: a group exists with a different rank or world size.
+    """
+    if not dist.is_available():
+        raise RuntimeError(
+            "torch.distributed is not available in this PyTorch build; install a build with "
+            "distributed support (the standard Linux and macOS wheels have it)"
+        )
+    if dist.is_initialized():
+        _check_matches_existing_group(global_rank, world_size)
+        log.debug("init_dist_connection: the default process group already exists")
+        return
+
+    env = cluster_environment if cluster_environment is not None else detect_environment()
+    rank = _optional_method(env, "global_rank", global_rank)
+    size = int(env.world_size()) if world_size is None else int(world_size)
+    if rank is None:
+        raise TypeError(f"{type(env).__name__} has no global_rank() method; pass global_rank= to init_dist_connection")
+    if not 0 <= rank < size:
+        raise ValueError(f"global_rank={rank} must be in [0, world_size={size})")
+    local_rank = _optional_method(env, "local_rank", None) or 0
+    backend = _resolve_backend(torch_distributed_backend, local_rank)
+    if size > 1 and isinstance(env, LocalEnvironment) and env.port_was_chosen:
+        raise ClusterEnvironmentError(
+            f"world_size={size} but MASTER_PORT is not set, so each process would pick its own port and wait "
+            "for the others forever; set MASTER_ADDR and MASTER_PORT in every process, or start them with "
+            "`ddpkit run` or ddpkit.launch()"
+        )
+
+    address, port = str(env.master_address()), int(env.master_port())
+    os.environ["MASTER_ADDR"] = address
+    os.environ["MASTER_PORT"] = str(port)
+    if "gloo" in backend and is_loopback(address):
+        _pin_gloo_to_loopback()
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank)
+    if isinstance(kwargs.get("timeout"), (int, float)):
+        kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
+    log.info("initialising process group: rank %d of %d, backend %s, master %s:%d", rank, size, backend, address, port)
+    dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)
+
+
+def destroy_dist_connection() -> None:
+    """Destroy the default process group, if there is one (every rank must call it)."""
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` is available and the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the default group); 0 without a process group."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (default: the default group); 1 without a process group."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node, from the cluster environment (0 for a lone process).
+
+    Read from the environment variables (``LOCAL_RANK``, ``SLURM_LOCALID``, ...),
+    so it is right before the process group exists too: use it to pick the CUDA
+    device, ``torch.cuda.set_device(get_local_rank())``.
+    """
+    return detect_environment().local_rank()
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of ``group`` reaches this call; returns at once without a process group."""
+    if not is_distributed():
+        return
+    if dist.get_backend(group) == "nccl":
+        dist.barrier(group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier(group)
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors ``group``'s backend communicates: CUDA for ``nccl``, else CPU."""
+    if is_distributed() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_zero_only(fn: Callable[P, T]) -> Callable[P, T | None]:
+    """Decorator: call ``fn`` on global rank 0 only; other ranks get ``None``.
+
+    The rank is the process group's when one exists, else the cluster
+    environment's (so it is right in a torchrun worker before initialisation).
+
+    Example:
+        >>> @rank_zero_only
+        ... def log_once(message: str) -> None:
+        ...     print(message)
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> T | None:
+        if _process_rank() == 0:
+            return fn(*args, **kwargs)
+        return None
+
+    return wrapped
+
+
+@contextmanager
+def rank_zero_first(group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Run the body on rank 0 of ``group`` first, then on the other ranks.
+
+    For work that must happen once before the others read its result (download
+    a data set, build a cache). Every rank of ``group`` must enter it. If rank 0
+    raises inside the body, the other ranks are still released and raise
+    :class:`~ddpkit.DDPKitError` carrying rank 0's error instead of running their
+    body; nothing hangs. Costs one broadcast (two when rank 0 failed). Without a
+    process group it just runs the body.
+
+    Raises:
+        DDPKitError: on ranks other than 0, when rank 0's body raised.
+    """
+    if not is_distributed():
+        yield
+        return
+    device = collective_device(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    if dist.get_rank(group) == 0:
+        failure: BaseException | None = None
+        try:
+            yield
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            _send_status(failure, src, device, group)
+    else:
+        error = _receive_status(src, device, group)
+        if error is not None:
+            raise DDPKitError(f"rank 0 failed inside rank_zero_first, so this rank did not run its body: {error}")
+        yield
+
+
+def seed_everything(seed: int, per_rank: bool = False) -> int:
+    """Seed Python's ``random``, NumPy and torch (CPU and every CUDA device).
+
+    Args:
+        seed: in ``[0, 2**32)``.
+        per_rank: add this process's global rank, so that ranks draw different
+            numbers (e.g. for augmentation); the default gives every rank the same
+            seed (e.g. for identical model initialisation).
+
+    Returns:
+        The seed used on this rank.
+
+    Raises:
+        ValueError: ``seed`` outside ``[0, 2**32)``.
+    """
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed} must be in [0, 2**32)")
+    used = (seed + _process_rank()) % 2**32 if per_rank else seed
+    random.seed(used)
+    np.random.seed(used)
+    torch.manual_seed(used)
+    return used
+
+
+# --- helpers ----------------------------------------------------------------------
+
+
+def _process_rank() -> int:
+    return dist.get_rank() if is_distributed() else detect_environment().global_rank()
+
+
+def _optional_method(obj: object, name: str, override: int | None) -> int | None:
+    if override is not None:
+        return int(override)
+    method = getattr(obj, name, None)
+    return int(method()) if callable(method) else None
+
+
+def _check_matches_existing_group(global_rank: int | None, world_size: int | None) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if (global_rank is not None and global_rank != rank) or (world_size is not None and world_size != size):
+        raise DDPKitError(
+            f"the default process group already exists as rank {rank} of {size}, but init_dist_connection "
+            f"was asked for global_rank={global_rank}, world_size={world_size}; call destroy_dist_connection() first"
+        )
+
+
+def _owns_cuda_device(local_rank: int) -> bool:
+    return torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+
+
+def _backend_available(name: str) -> bool:
+    checks: dict[str, Callable[[], bool]] = {
+        "gloo": dist.is_gloo_available,
+        "nccl": dist.is_nccl_available,
+        "mpi": dist.is_mpi_available,
+        "ucc": dist.is_ucc_available,
+        "xccl": getattr(dist, "is_xccl_available", lambda: False),
+    }
+    return checks[name]()
+
+
+def _resolve_backend(requested: str | None, local_rank: int) -> str:
+    """The backend name to pass to ``init_process_group`` (see :func:`init_dist_connection`)."""
+    if requested is None or requested.strip().lower() in ("", "auto"):
+        return "nccl" if _owns_cuda_device(local_rank) and dist.is_nccl_available() else "gloo"
+    name = requested.strip().lower()
+    backends = [part.split(":")[-1].strip() for part in name.split(",")]
+    available = [b for b in _KNOWN_BACKENDS if _backend_available(b)]
+    for backend in backends:
+        if backend not in _KNOWN_BACKENDS:
+            raise ValueError(
+                f"unknown torch_distributed_backend={requested!r}; use one of {', '.join(_KNOWN_BACKENDS)}, "
+                "'auto', or a device map such as 'cpu:gloo,cuda:nccl'"
+            )
+        if not _backend_available(backend):
+            raise ValueError(
+                f"backend {backend!r} is not available in this PyTorch build; available: {', '.join(available)}"
+            )
+    if "nccl" in backends and not _owns_cuda_device(local_rank):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(
+            f"backend 'nccl' needs a CUDA device for local rank {local_rank}, but this process sees {count}; "
+            "use 'gloo' on CPU (or torch_distributed_backend=None to choose automatically)"
+        )
+    return name
+
+
+def _pin_gloo_to_loopback() -> None:
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if names:
+        os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+
+
+def _send_status(
+    failure: BaseException | None, src: int, device: torch.device, group: dist.ProcessGroup | None
+) -> None:
+    message = b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()[:65536]
+    status = torch.tensor([int(failure is not None), len(message)], dtype=torch.int64, device=device)
+    try:
+        dist.broadcast(status, src=src, group=group)
+        if failure is not None:
+            payload = torch.tensor(list(message) or [0], dtype=torch.uint8, device=device)
+            dist.broadcast(payload, src=src, group=group)
+    except Exception:
+        if failure is None:
+            raise
+        log.exception("rank_zero_first: could not tell the other ranks that rank 0 failed")
+
+
+def _receive_status(src: int, device: torch.device, group: dist.ProcessGroup | None) -> str | None:
+    status = torch.zeros(2, dtype=torch.int64, device=device)
+    dist.broadcast(status, src=src, group=group)
+    if not int(status[0]):
+        return None
+    payload = torch.zeros(max(int(status[1]), 1), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=src, group=group)
+    return bytes(payload[: int(status[1])].tolist()).decode(errors="replace")

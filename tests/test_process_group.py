@@ -1,0 +1,269 @@
+"""Process-group helpers: backend choice, idempotent init, rank helpers, rank_zero_first, seeding."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit import (
+    ClusterEnvironmentError,
+    DDPKitError,
+    LocalEnvironment,
+    barrier,
+    destroy_dist_connection,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init_dist_connection,
+    is_distributed,
+    rank_zero_first,
+    rank_zero_only,
+    seed_everything,
+)
+from ddpkit.process_group import _resolve_backend, collective_device
+from ddpkit.testing import run_parallel
+
+# --- without a process group ------------------------------------------------------------
+
+
+def test_helpers_are_safe_without_a_process_group() -> None:
+    assert not is_distributed()
+    assert (get_rank(), get_world_size(), get_local_rank()) == (0, 1, 0)
+    barrier()
+    assert collective_device() == torch.device("cpu")
+    ran = []
+    with rank_zero_first():
+        ran.append(True)
+    assert ran == [True]
+
+
+def test_local_rank_comes_from_the_environment_before_any_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    for name, value in {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert get_local_rank() == 1
+    assert get_rank() == 0, "get_rank() is the process group's rank: 0 without a group"
+
+
+# --- backend choice ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend this machine has 2 CUDA devices and NCCL."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+
+
+def test_auto_backend_is_gloo_on_cpu() -> None:
+    assert _resolve_backend(None, 0) == "gloo"
+    assert _resolve_backend("auto", 3) == "gloo"
+
+
+@pytest.mark.usefixtures("fake_cuda")
+def test_auto_backend_is_nccl_for_a_rank_that_owns_a_cuda_device() -> None:
+    assert _resolve_backend(None, 0) == "nccl"
+    assert _resolve_backend(None, 1) == "nccl"
+    assert _resolve_backend(None, 2) == "gloo", "local rank 2 has no device of its own among 2"
+    assert _resolve_backend("NCCL", 1) == "nccl"
+    assert _resolve_backend("cpu:gloo,cuda:nccl", 0) == "cpu:gloo,cuda:nccl"
+
+
+def test_explicit_backends_are_validated_with_the_valid_names() -> None:
+    assert _resolve_backend("Gloo", 0) == "gloo"
+    with pytest.raises(ValueError, match=r"unknown torch_distributed_backend='tcp'; use one of gloo, nccl"):
+        _resolve_backend("tcp", 0)
+    with pytest.raises(ValueError, match=r"'mpi' is not available in this PyTorch build; available: gloo"):
+        _resolve_backend("mpi", 0)
+
+
+def test_nccl_without_a_cuda_device_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    with pytest.raises(ValueError, match=r"'nccl' needs a CUDA device for local rank 0, but this process sees 0"):
+        _resolve_backend("nccl", 0)
+
+
+# --- init_dist_connection -----------------------------------------------------------------
+
+
+@pytest.fixture
+def captured_init(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    return calls
+
+
+def test_init_sets_master_variables_and_forwards_kwargs(captured_init: list[Any]) -> None:
+    env = LocalEnvironment({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4321", "WORLD_SIZE": "2", "RANK": "1"})
+    init_dist_connection(env, None, timeout=12.5, group_name="g")
+    ((args, kwargs),) = captured_init
+    assert args == ("gloo",)
+    assert kwargs == {"rank": 1, "world_size": 2, "timeout": timedelta(seconds=12.5), "group_name": "g"}
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("127.0.0.1", "4321")
+    assert os.environ["GLOO_SOCKET_IFNAME"].startswith("lo"), "a loopback master pins gloo to loopback"
+
+
+def test_init_accepts_any_object_with_the_seed_methods(captured_init: list[Any]) -> None:
+    class SeedStyleEnvironment:  # seed 002 calls only these three
+        def master_address(self) -> str:
+            return "10.0.0.1"
+
+        def master_port(self) -> int:
+            return 5555
+
+        def world_size(self) -> int:
+            return 4
+
+    init_dist_connection(SeedStyleEnvironment(), "gloo", global_rank=2)
+    assert captured_init[0][1]["rank"] == 2
+    assert "GLOO_SOCKET_IFNAME" not in os.environ, "a remote master must not pin gloo to loopback"
+    with pytest.raises(TypeError, match="pass global_rank="):
+        init_dist_connection(SeedStyleEnvironment(), "gloo")
+
+
+def test_init_explicit_rank_and_world_size_win_and_are_checked(captured_init: list[Any]) -> None:
+    env = LocalEnvironment({"MASTER_PORT": "1"})
+    init_dist_connection(env, "gloo", global_rank=1, world_size=3)
+    assert captured_init[0][1] == {"rank": 1, "world_size": 3}
+    with pytest.raises(ValueError, match=r"global_rank=3 must be in \[0, world_size=3\)"):
+        init_dist_connection(env, "gloo", global_rank=3, world_size=3)
+
+
+def test_init_refuses_several_processes_without_an_agreed_port(captured_init: list[Any]) -> None:
+    with pytest.raises(ClusterEnvironmentError, match=r"world_size=2 but MASTER_PORT is not set"):
+        init_dist_connection(LocalEnvironment({}), "gloo", global_rank=0, world_size=2)
+    assert captured_init == []
+
+
+def test_init_raises_runtime_error_without_torch_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not available"):
+        init_dist_connection()
+
+
+def test_init_is_idempotent_and_detects_contradictions() -> None:
+    init_dist_connection(LocalEnvironment({}), "gloo", timeout=timedelta(seconds=10))
+    assert is_distributed()
+    assert (get_rank(), get_world_size()) == (0, 1)
+    group = dist.group.WORLD
+    init_dist_connection()  # a second call: nothing happens
+    init_dist_connection(global_rank=0, world_size=1)
+    assert dist.group.WORLD is group
+    with pytest.raises(DDPKitError, match=r"already exists as rank 0 of 1, .*world_size=2"):
+        init_dist_connection(world_size=2)
+    destroy_dist_connection()
+    assert not is_distributed()
+    destroy_dist_connection()  # and again: still fine
+
+
+# --- with a process group (pool) -----------------------------------------------------------
+
+
+def _ranks_and_devices() -> tuple[int, int, int, str, bool]:
+    barrier()
+    return get_rank(), get_world_size(), get_local_rank(), str(collective_device()), is_distributed()
+
+
+def test_rank_helpers_in_a_group() -> None:
+    assert run_parallel(_ranks_and_devices, world_size=3) == [(r, 3, r, "cpu", True) for r in range(3)]
+
+
+def _rank_zero_goes_first(directory: str) -> bool:
+    marker = Path(directory) / "written-by-rank-0"
+    with rank_zero_first():
+        if get_rank() == 0:
+            time.sleep(0.3)  # if the others were not waiting, they would miss the file
+            marker.write_text("ready")
+            return True
+        return marker.exists()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_zero_first_runs_rank_zero_before_the_others(tmp_path: Path, world_size: int) -> None:
+    assert run_parallel(_rank_zero_goes_first, str(tmp_path), world_size=world_size) == [True] * world_size
+
+
+def _rank_zero_fails_inside() -> tuple[str, str, float]:
+    try:
+        with rank_zero_first():
+            if get_rank() == 0:
+                raise OSError("download failed: disk full")
+            body = "ran"
+    except (OSError, DDPKitError) as exc:
+        caught = f"{type(exc).__name__}: {exc}"
+        body = "skipped"
+    else:
+        caught = ""
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the group is still usable
+    return caught, body, total.item()
+
+
+def test_rank_zero_first_releases_and_informs_the_others_when_rank_zero_raises() -> None:
+    started = time.monotonic()
+    (zero, *others) = run_parallel(_rank_zero_fails_inside, world_size=3, timeout=20)
+    assert time.monotonic() - started < 15, "nobody waited for the process-group timeout"
+    assert zero == ("OSError: download failed: disk full", "skipped", 3.0)
+    for caught, body, total in others:
+        assert caught.startswith("DDPKitError: rank 0 failed inside rank_zero_first")
+        assert "OSError: download failed: disk full" in caught
+        assert (body, total) == ("skipped", 3.0)
+
+
+@rank_zero_only
+def _only_on_zero(value: int) -> int:
+    return value * 2
+
+
+def _call_rank_zero_only() -> int | None:
+    return _only_on_zero(21)
+
+
+def test_rank_zero_only_runs_on_rank_zero_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run_parallel(_call_rank_zero_only) == [42, None]
+    assert _only_on_zero(21) == 42
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _only_on_zero(21) is None, "before a group exists the environment's rank decides"
+
+
+def _seeded_draws(per_rank: bool) -> tuple[int, list[float]]:
+    used = seed_everything(7, per_rank=per_rank)
+    return used, [random.random(), float(np.random.rand()), torch.rand(1).item()]
+
+
+def test_seed_everything_seeds_every_generator_alike_or_per_rank() -> None:
+    same = run_parallel(_seeded_draws, False)
+    assert same[0] == same[1]
+    assert same[0][0] == 7
+    differ = run_parallel(_seeded_draws, True)
+    assert [used for used, _ in differ] == [7, 8]
+    assert differ[0][1] != differ[1][1]
+    assert differ[0] == same[0], "rank 0's per-rank seed is the seed itself"
+    assert _seeded_draws(False) == same[0], "same numbers in the test process"
+
+
+def test_seed_everything_rejects_out_of_range_seeds() -> None:
+    with pytest.raises(ValueError, match=r"seed=-1 must be in \[0, 2\*\*32\)"):
+        seed_everything(-1)
+    with pytest.raises(ValueError, match=r"seed=4294967296"):
+        seed_everything(2**32)
