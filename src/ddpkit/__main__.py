@@ -1,0 +1,3 @@
+from ddpkit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""The ``ddpkit`` command (layer 7): ``run``, ``env`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit import __version__
+from ddpkit.environments import detect_environment
+from ddpkit.errors import ClusterEnvironmentError, WorkerFailedError
+from ddpkit.launch import run_script
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``ddpkit`` and its sub-commands."""
+    parser = argparse.ArgumentParser(
+        prog="ddpkit",
+        description="Correct PyTorch DDP training, from one CPU laptop to a multi-node cluster.",
+    )
+    parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run",
+        help="run a torchrun-style script on N processes",
+        description=(
+            "Run SCRIPT on N processes per node with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, "
+            "MASTER_ADDR, MASTER_PORT) set. Single node: loopback and a free port. Restarts start every "
+            "worker afresh with its own store."
+        ),
+    )
+    run.add_argument(
+        "-n",
+        "--nproc-per-node",
+        "--nprocs",
+        dest="nprocs",
+        type=int,
+        default=None,
+        help="processes per node (default: CUDA devices, or 1)",
+    )
+    run.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    run.add_argument("--node-rank", type=int, default=0, help="this node's rank, passed to torchrun (default 0)")
+    run.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="rendezvous endpoint, the same on every node (default 127.0.0.1 and a free port)",
+    )
+    run.add_argument("--rdzv-id", default=None, help="rendezvous id shared by the nodes of one job")
+    run.add_argument("--max-restarts", type=int, default=0, help="restarts of all workers after a failure (default 0)")
+    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
+    run.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments of the script")
+    run.set_defaults(handler=_run)
+
+    env = commands.add_parser("env", help="print the detected cluster environment as JSON")
+    env.set_defaults(handler=_env)
+
+    demo = commands.add_parser(
+        "demo",
+        help="train a digits classifier with DDP on CPU processes (the main job)",
+        description="Train a small classifier on the bundled UCI digits data with DistributedDataParallel.",
+    )
+    demo.add_argument("--nprocs", type=int, default=2, help="CPU processes (default 2)")
+    demo.add_argument("--epochs", type=int, default=10, help="epochs (default 10)")
+    demo.add_argument("--batch-size", type=int, default=32, help="samples per step on each process (default 32)")
+    demo.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ddpkit`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    status: int = args.handler(args)
+    return status
+
+
+def _fail(command: str, error: BaseException, status: int = 1) -> int:
+    print(f"ddpkit {command}: {error}", file=sys.stderr)
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        run_script(
+            args.script,
+            args.script_args,
+            nprocs=args.nprocs,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            run_id=args.rdzv_id,
+            max_restarts=args.max_restarts,
+            module=args.module,
+        )
+    except WorkerFailedError as error:
+        return _fail("run", error)
+    except ValueError as error:
+        return _fail("run", error, status=2)
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    try:
+        data: dict[str, Any] = detect_environment().as_dict()
+    except ClusterEnvironmentError as error:
+        return _fail("env", error)
+    data["torch"] = torch.__version__
+    data["distributed_backends"] = [
+        name
+        for name, available in (
+            ("gloo", dist.is_gloo_available()),
+            ("nccl", dist.is_nccl_available()),
+            ("mpi", dist.is_mpi_available()),
+        )
+        if available
+    ]
+    data["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(json.dumps(data, indent=2))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ddpkit.examples.demo import DemoConfig, run_demo
+
+    try:
+        config = DemoConfig(args.epochs, args.batch_size, args.lr, args.seed, progress=not args.no_progress)
+    except ValueError as error:
+        return _fail("demo", error, status=2)
+    started = time.perf_counter()
+    try:
+        result = run_demo(args.nprocs, config)
+    except (WorkerFailedError, ValueError) as error:
+        return _fail("demo", error)
+    print(
+        f"ddpkit demo: {result.world_size} processes (gloo), {len(result.train_losses)} epochs, "
+        f"{time.perf_counter() - started:.1f} s in all; final train loss {result.train_losses[-1]:.4f}, "
+        f"validation accuracy {result.val_accuracy:.4f} ({result.val_correct}/{result.val_total})"
+    )
+    return 0

@@ -1,0 +1,150 @@
+"""The ddpkit command: env (in process), argument errors, and ddpkit run on real scripts (e2e)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpkit.cli import main
+from tests.conftest import alive
+
+# A plain torchrun-style script, as a user would write it: no ddpkit inside.
+SCRIPT = textwrap.dedent(
+    """\
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+
+    out = sys.argv[1]
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    with open(os.path.join(out, f"{attempt}-{rank}-{os.getpid()}.json"), "w") as handle:
+        json.dump({"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
+                   "local_rank": int(os.environ["LOCAL_RANK"]), "sum": total.item(), "argv": sys.argv[2:],
+                   "name": __name__}, handle)
+    fail = sys.argv[2]
+    if fail == "always" and rank == 1:
+        raise ValueError(f"corrupt shard on rank {rank}")
+    if fail == "first-attempt" and rank == 1 and attempt == 0:
+        sys.exit(3)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def ddpkit(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    (tmp_path / "out").mkdir()
+    return path
+
+
+def outputs(directory: Path) -> list[dict[str, object]]:
+    return [json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))]
+
+
+# --- in process ------------------------------------------------------------------------------
+
+
+def test_env_prints_the_detected_environment_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["environment"], data["world_size"], data["global_rank"]) == ("local", 1, 0)
+    assert "gloo" in data["distributed_backends"]
+
+
+def test_env_reads_a_slurm_job(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    for name, value in {"SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                        "SLURM_JOB_NODELIST": "cn[07-08]", "SLURM_JOB_ID": "991234"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    assert main(["env"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["environment"], data["master_addr"], data["master_port"]) == ("slurm", "cn07", 16234)
+    assert (data["world_size"], data["global_rank"], data["local_rank"], data["node_rank"]) == (4, 3, 1, 1)
+
+
+def test_env_reports_bad_variables_and_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DDPKIT_CLUSTER_ENV", "nowhere")
+    assert main(["env"]) == 1
+    assert "DDPKIT_CLUSTER_ENV='nowhere' is not an environment" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["run"], ["demo", "--epochs", "many"]])
+def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "-n", "0", "x.py"], "nprocs=0 must be an integer >= 1"),
+        (["run", "--nnodes", "2", "x.py"], "needs rdzv_endpoint"),
+        (["demo", "--epochs", "0"], "epochs=0"),
+    ],
+)
+def test_bad_values_exit_2_with_the_reason(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# --- end to end: ddpkit run ------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_run_starts_a_plain_torchrun_script_on_two_processes(script: Path) -> None:
+    done = ddpkit("run", "-n", "2", str(script), str(script.parent / "out"), "never", "--flag")
+    assert done.returncode == 0, done.stderr
+    assert sorted((o["rank"], o["world_size"], o["local_rank"]) for o in outputs(script.parent / "out")) == [
+        (0, 2, 0),
+        (1, 2, 1),
+    ]
+    for output in outputs(script.parent / "out"):
+        assert (output["sum"], output["argv"], output["name"]) == (3.0, ["never", "--flag"], "__main__")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_run_names_the_failing_rank_and_leaves_no_process(script: Path) -> None:
+    started = time.monotonic()
+    done = ddpkit("run", "-n", "2", str(script), str(script.parent / "out"), "always")
+    assert time.monotonic() - started < 30
+    assert done.returncode == 1
+    assert "ddpkit run: rank 1 failed (exit code 1): ValueError: corrupt shard on rank 1" in done.stderr
+    assert "traceback of rank 1:" in done.stderr
+    pids = [int(path.stem.split("-")[2]) for path in (script.parent / "out").glob("*.json")]
+    assert len(pids) == 2
+    assert not [pid for pid in pids if alive(pid)]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_run_max_restarts_recovers_a_plain_init_process_group_script(script: Path) -> None:
+    """Plain `torchrun --max-restarts 1` fails this on torch 2.13 (stale keys in the shared store)."""
+    done = ddpkit("run", "-n", "2", "--max-restarts", "1", str(script), str(script.parent / "out"), "first-attempt")
+    assert done.returncode == 0, done.stderr
+    attempts = sorted(
+        path.name.split("-")[0] + "-" + path.name.split("-")[1] for path in (script.parent / "out").glob("*")
+    )
+    assert attempts == ["0-0", "0-1", "1-0", "1-1"]
