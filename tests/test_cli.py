@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -32,6 +35,9 @@ SCRIPT = textwrap.dedent(
                    "local_rank": int(os.environ["LOCAL_RANK"]), "sum": total.item(), "argv": sys.argv[2:],
                    "name": __name__}, handle)
     fail = sys.argv[2]
+    if fail == "hang":
+        import time
+        time.sleep(300)
     if fail == "always" and rank == 1:
         raise ValueError(f"corrupt shard on rank {rank}")
     if fail == "first-attempt" and rank == 1 and attempt == 0:
@@ -43,9 +49,17 @@ SCRIPT = textwrap.dedent(
 
 
 def ddpkit(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+    """Run ``python -m ddpkit ARGS`` in its own session; on timeout kill the whole session, workers included."""
+    command = [sys.executable, "-m", "ddpkit", *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:  # fmt: skip
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 @pytest.fixture
@@ -148,3 +162,31 @@ def test_run_max_restarts_recovers_a_plain_init_process_group_script(script: Pat
         path.name.split("-")[0] + "-" + path.name.split("-")[1] for path in (script.parent / "out").glob("*")
     )
     assert attempts == ["0-0", "0-1", "1-0", "1-1"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_workers_die_when_the_launcher_is_killed(script: Path) -> None:
+    """kill -9 of `ddpkit run` (a CI timeout, the OOM killer) must not leave its workers running."""
+    out = script.parent / "out"
+    command = [sys.executable, "-m", "ddpkit", "run", "-n", "2", str(script), str(out), "hang"]
+    pids: list[int] = []
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True) as launcher:  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while len(list(out.glob("*.json"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            pids.extend(int(path.stem.split("-")[2]) for path in out.glob("*.json"))
+            assert len(pids) == 2, "the workers did not start"
+            assert all(alive(pid) for pid in pids)
+            launcher.kill()  # SIGKILL: no chance to clean up
+            launcher.wait()
+            deadline = time.monotonic() + 10
+            while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not [pid for pid in pids if alive(pid)], "workers outlived their launcher"
+        finally:  # the workers run in sessions of their own (torch's agent starts them so)
+            for pid in [launcher.pid, *pids]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

@@ -14,10 +14,12 @@ import runpy
 import sys
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, write_record
+from ddpkit._orphans import die_with_parent
 
 
 def main() -> None:
     """Run the script or module named by ``sys.argv[1:]`` (``script.py args`` or ``-m module args``)."""
+    die_with_parent()
     args = sys.argv[1:]
     as_module = bool(args) and args[0] == "-m"
     if as_module:

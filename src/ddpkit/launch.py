@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error, write_record
+from ddpkit._orphans import die_with_parent
 from ddpkit.environments import TorchElasticEnvironment, is_loopback
 from ddpkit.process_group import barrier, destroy_dist_connection, init_dist_connection
 
@@ -210,6 +211,8 @@ def run_script(
 
 def _worker_entry(spec: _WorkerSpec, *args: Any) -> Any:
     """Entry point of every worker: group up, run ``fn``, group down."""
+    parent = multiprocessing.parent_process()
+    die_with_parent(parent.pid if parent is not None else None)
     _limit_threads()
     options: dict[str, Any] = {} if spec.timeout is None else {"timeout": spec.timeout}
     try:

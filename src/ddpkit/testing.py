@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit._orphans import die_with_parent
 from ddpkit.errors import WorkerFailedError
 from ddpkit.process_group import _pin_gloo_to_loopback
 
@@ -290,6 +291,8 @@ def _task_error(name: str, timeout: float, replies: dict[int, tuple[Any, ...]], 
 def _worker_main(
     rank: int, world_size: int, store: str, pg_timeout: float, tasks: Connection, results: Connection
 ) -> None:
+    parent = multiprocessing.parent_process()
+    die_with_parent(parent.pid if parent is not None else None)
     faulthandler.enable()
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
