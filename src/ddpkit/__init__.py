@@ -7,6 +7,19 @@ logging handlers, no process group.
 
 from __future__ import annotations
 
+from ddpkit.collectives import (
+    AllGatherGrad,
+    all_gather_ddp_if_available,
+    all_gather_object,
+    broadcast_object,
+    gather_all_tensors,
+    merge_list_of_dicts,
+    mp_sync,
+    mp_sync_dict,
+    sync_ddp,
+    sync_ddp_if_available,
+    sync_dicts_ddp,
+)
 from ddpkit.environments import (
     ClusterEnvironment,
     ClusterSettings,
@@ -42,6 +55,7 @@ from ddpkit.process_group import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllGatherGrad",
     "ClusterEnvironment",
     "ClusterEnvironmentError",
     "ClusterSettings",
@@ -56,17 +70,27 @@ __all__ = [
     "WarningDDP",
     "WorkerFailedError",
     "__version__",
+    "all_gather_ddp_if_available",
+    "all_gather_object",
     "barrier",
+    "broadcast_object",
     "destroy_dist_connection",
     "detect_environment",
+    "gather_all_tensors",
     "get_local_rank",
     "get_rank",
     "get_world_size",
     "init_dist_connection",
     "is_distributed",
     "launch",
+    "merge_list_of_dicts",
+    "mp_sync",
+    "mp_sync_dict",
     "rank_zero_first",
     "rank_zero_only",
     "run_script",
     "seed_everything",
+    "sync_ddp",
+    "sync_ddp_if_available",
+    "sync_dicts_ddp",
 ]

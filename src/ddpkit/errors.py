@@ -74,7 +74,21 @@ class WorkerFailedError(DDPKitError):
 
 
 class WarningDDP(UserWarning):
-    """A DDP helper was used outside DDP and fell back to its single-process behaviour.
+    """A DDP helper was used without a process group and left its input unchanged (seed 001).
 
-    Name from seed 001 (OML's ``oml.ddp.utils.WarningDDP``).
+    As OML's ``oml.ddp.utils.WarningDDP``, it is built from the function's name:
+    ``warnings.warn("sync_dicts_ddp", WarningDDP)`` explains what happened.
     """
+
+    def __init__(self, function_name: str) -> None:
+        super().__init__(function_name)
+        self.function_name = function_name
+        self.message = (
+            f"You use '{function_name}' function, but the default process group has not been initialized. "
+            "In this case for compatibility function doesn't modify your data. Please make sure to call "
+            "init_process_group (or ddpkit.init_dist_connection) or ignore this warning if you want to use "
+            "this function without DDP"
+        )
+
+    def __str__(self) -> str:
+        return self.message

@@ -1,0 +1,139 @@
+"""Gather tensors whose shapes may differ between ranks, with or without gradients (seed 003)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.collectives.transport import GroupInfo, Header, error_header, exchange
+from ddpkit.errors import CollectiveMismatchError
+from ddpkit.process_group import collective_device, get_rank, is_distributed
+
+__all__ = ["AllGatherGrad", "all_gather_ddp_if_available", "describe_tensor", "gather_all_tensors"]
+
+
+def describe_tensor(header: Header) -> str:
+    """``"float32 (4, 8)"`` for a tensor header."""
+    return f"{header['dtype']} {tuple(header['shape'])}"
+
+
+def gather_all_tensors(result: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Gather ``result`` from every rank of ``group`` onto every rank (seed 003); every rank must call it.
+
+    Any dimension may differ between ranks; the number of dimensions and the
+    dtype may not. Empty and 0-d tensors work. Only each rank's real elements
+    travel (no padding on gloo): small tensors cost one ``all_gather``, larger
+    ones one more step.
+
+    Args:
+        result: this rank's tensor, on any device.
+        group: the process group; default the whole world.
+
+    Returns:
+        ``[tensor of rank 0, tensor of rank 1, ...]`` (``world_size`` entries, in
+        group-rank order), each on ``result``'s device with its own rank's shape.
+        This rank's entry is ``result`` itself, detached (not a copy). Without a
+        process group: ``[result.detach()]``.
+
+    Raises:
+        CollectiveMismatchError: ranks passed different dtypes or numbers of
+            dimensions; raised on every rank, naming each rank's dtype and shape
+            (``"rank 0: float32 (4, 8); rank 1: float32 (4,)"``).
+        TypeError: some rank passed something that is not a tensor.
+    """
+    return _gather(result, group, "gather_all_tensors", same_shape=False)
+
+
+def _gather(result: Any, group: dist.ProcessGroup | None, what: str, same_shape: bool) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor) and result.layout == torch.strided:
+        header: Header = {"dtype": str(result.dtype)[6:], "shape": list(result.shape)}
+        payload: torch.Tensor | None = result
+    elif isinstance(result, torch.Tensor):
+        header, payload = error_header(TypeError(f"{what} needs a dense tensor, got a {result.layout} one")), None
+    else:
+        header, payload = error_header(TypeError(f"{what} needs a tensor, got {type(result).__name__}")), None
+
+    def check(headers: list[Header]) -> None:
+        first = headers[0]
+        for h in headers:
+            shape_differs = h["shape"] != first["shape"] if same_shape else len(h["shape"]) != len(first["shape"])
+            if h["dtype"] != first["dtype"] or shape_differs:
+                need = "the same dtype and shape" if same_shape else "the same dtype and number of dimensions"
+                raise CollectiveMismatchError(
+                    f"{what}: ranks passed incompatible tensors (they need {need}): "
+                    + "; ".join(f"rank {r}: {describe_tensor(h)}" for r, h in enumerate(headers))
+                )
+
+    info = GroupInfo.of(group)
+    gathered = exchange(what, header, payload, info, check)
+    assert isinstance(result, torch.Tensor)
+    own = result.detach()
+    tensors: list[torch.Tensor] = []
+    for r, (h, data) in enumerate(gathered):
+        if r == info.rank:
+            tensors.append(own)
+        elif not data.numel():
+            tensors.append(torch.empty(h["shape"], dtype=result.dtype, device=result.device))
+        else:
+            tensor = data.view(result.dtype).reshape(h["shape"])
+            tensors.append(tensor if tensor.device == result.device else tensor.to(result.device))
+    return tensors
+
+
+class AllGatherGrad(torch.autograd.Function):
+    """All-gather that gradients flow through (seed 003).
+
+    Forward: this rank's ``tensor`` (same shape and dtype on every rank) ->
+    ``(world_size, *tensor.shape)``, row ``r`` from rank ``r``. Backward: the
+    incoming gradients ``(world_size, *shape)`` are summed over the ranks
+    (one ``all_reduce``) and this rank's row is returned: the gradient of the
+    loss summed over every rank's copy of the output, which is what each rank's
+    input needs when every rank computes a loss from the gathered tensor (for
+    example negatives from all ranks in a contrastive loss). Every rank must run
+    the backward pass.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        ctx.group = group
+        return torch.stack(_gather(tensor, group, "AllGatherGrad", same_shape=True))
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad_output[0].contiguous()
+        device = collective_device(ctx.group)
+        summed = grad.to(device, copy=True)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=ctx.group)
+        return summed[get_rank(ctx.group)].to(grad.device), None
+
+
+def all_gather_ddp_if_available(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, sync_grads: bool = False
+) -> torch.Tensor:
+    """Gather ``tensor`` from every rank into one ``(world_size, *tensor.shape)`` tensor (seed 003).
+
+    Every rank must call it with a tensor of the same shape and dtype.
+
+    Args:
+        tensor: this rank's tensor.
+        group: the process group; default the whole world.
+        sync_grads: let gradients flow back to every rank's ``tensor`` through
+            :class:`AllGatherGrad`; otherwise the result does not require grad.
+
+    Returns:
+        ``(world_size, *tensor.shape)`` on ``tensor``'s device, row ``r`` from rank
+        ``r``. Without a process group: ``tensor.unsqueeze(0)``, shape
+        ``(1, *tensor.shape)`` (with its gradient when ``sync_grads``).
+
+    Raises:
+        CollectiveMismatchError: shapes or dtypes differ between ranks (on every rank).
+    """
+    if not is_distributed():
+        return tensor.unsqueeze(0) if sync_grads else tensor.detach().unsqueeze(0)
+    if sync_grads:
+        gathered: torch.Tensor = AllGatherGrad.apply(tensor, group)  # type: ignore[no-untyped-call]
+        return gathered
+    with torch.no_grad():
+        return torch.stack(_gather(tensor, group, "all_gather_ddp_if_available", same_shape=True))

@@ -1,0 +1,241 @@
+"""Reduce a tensor over ranks: ``sync_ddp`` and ``sync_ddp_if_available`` (seed 003).
+
+Ranks that pass different shapes, dtypes or ops to a raw ``all_reduce`` get
+silent garbage on one rank and a hang on the other (measured on gloo). Every
+call here starts with the same collective on every rank, so none can mismatch:
+
+1. A probe: ``all_reduce`` (sum) of two float64, ``[value, eligible]``. A rank is
+   eligible when it reduces one element with ``sum`` or ``mean`` and the value
+   is exact in float64. When every rank is eligible, the first element already
+   is the answer: a scalar metric costs one 2-element ``all_reduce``, which gloo
+   runs as fast as a raw scalar one. (Eligible ranks that differ in dtype or
+   sum-vs-mean each get what they asked for.)
+2. Otherwise a check: ``all_reduce`` of a fixed-size float64 vector holding a
+   signature ``s`` of (dtype, shape, op) and ``s**2``, twice (CRC-32 and
+   Adler-32). All ranks agree exactly when ``world_size * sum(s**2) ==
+   sum(s)**2``, in exact integers. Small ``sum``/``mean`` payloads ride along.
+3. Otherwise the native ``all_reduce`` of the payload, in its own dtype.
+
+Every rank decides from the same reduced numbers, so all take the same path,
+and a mismatch raises :class:`~ddpkit.CollectiveMismatchError` on every rank.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ddpkit.collectives.transport import GroupInfo, error_header, exchange, raise_errors
+from ddpkit.errors import CollectiveMismatchError
+
+__all__ = ["ReduceOpName", "sync_ddp", "sync_ddp_if_available"]
+
+ReduceOpName = Literal["sum", "mean", "max", "min", "prod", "band", "bor", "bxor"]
+
+_NAMES: dict[str, ReduceOpName] = {
+    "sum": "sum", "mean": "mean", "avg": "mean", "max": "max", "min": "min", "prod": "prod", "product": "prod",
+}  # fmt: skip
+_REDUCE_OPS: list[tuple[object, ReduceOpName]] = [
+    (ReduceOp.SUM, "sum"), (ReduceOp.AVG, "mean"), (ReduceOp.MAX, "max"), (ReduceOp.MIN, "min"),
+    (ReduceOp.PRODUCT, "prod"), (ReduceOp.BAND, "band"), (ReduceOp.BOR, "bor"), (ReduceOp.BXOR, "bxor"),
+]  # fmt: skip
+_NATIVE = {
+    "sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "prod": ReduceOp.PRODUCT,
+    "band": ReduceOp.BAND, "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR,
+}  # fmt: skip
+# The check vector: error flag, two signatures with their squares, "cannot ride along" flag.
+_CHECK = 6
+# Elements of a sum/mean payload that ride along in the check vector (2 KiB of float64).
+_INLINE = 256
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def sync_ddp(
+    result: torch.Tensor | float | int | bool,
+    group: dist.ProcessGroup | None = None,
+    reduce_op: ReduceOp | str | None = None,
+) -> torch.Tensor:
+    """Reduce ``result`` over the ranks of ``group`` (seed 003); every rank must call it.
+
+    Args:
+        result: a tensor of any shape, or a number (``int`` becomes int64,
+            ``float`` float64, ``bool`` bool).
+        group: the process group; default the whole world.
+        reduce_op: ``"sum"`` (default), ``"mean"`` or ``"avg"``, ``"max"``,
+            ``"min"``, ``"prod"``, or a ``torch.distributed.ReduceOp`` (``AVG``
+            means mean; ``BAND``, ``BOR``, ``BXOR`` for integer tensors).
+
+    Returns:
+        A new tensor of ``result``'s shape, on ``result``'s device; ``result`` is
+        never modified. The mean of an integer or bool tensor is floating point
+        (``torch.get_default_dtype()``, as ``tensor / n`` gives); other ops keep the
+        dtype. Without a process group: the same as with one rank.
+
+    Raises:
+        ValueError: an unknown ``reduce_op`` (the message lists the valid ones), on
+            every rank, with or without a process group.
+        CollectiveMismatchError: ranks passed different shapes, dtypes or ops; raised
+            on every rank, naming each rank's input.
+        TypeError: some rank passed something that is not a tensor or a number.
+    """
+    op = _resolve_op(reduce_op)
+    info = GroupInfo.of(group)
+    if not info.distributed:
+        return _finish(_as_tensor(result).detach().clone(), op, 1)
+    tensor: torch.Tensor | None = None
+    problem: TypeError | None = None
+    try:
+        tensor = _as_tensor(result)
+    except TypeError as exc:
+        problem = exc  # every rank must still take part, to raise together
+    return _reduce(tensor, problem, op, info)
+
+
+def sync_ddp_if_available(
+    result: torch.Tensor | float | int | bool,
+    group: dist.ProcessGroup | None = None,
+    reduce_op: ReduceOp | str | None = None,
+) -> torch.Tensor:
+    """:func:`sync_ddp` when a process group exists, else ``result`` reduced over one rank (seed 003).
+
+    Identical to :func:`sync_ddp`, which also works without a process group; kept
+    for code written against Lightning's name.
+    """
+    return sync_ddp(result, group=group, reduce_op=reduce_op)
+
+
+def _resolve_op(reduce_op: ReduceOp | str | None) -> ReduceOpName:
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        name = _NAMES.get(reduce_op.strip().lower())
+        if name is not None:
+            return name
+    else:
+        for candidate, name in _REDUCE_OPS:
+            if reduce_op == candidate:
+                return name
+    raise ValueError(
+        f"reduce_op={reduce_op!r} is not supported; use 'sum', 'mean' (or 'avg'), 'max', 'min', 'prod', or "
+        "torch.distributed.ReduceOp.SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR"
+    )
+
+
+def _as_tensor(result: object) -> torch.Tensor:
+    if isinstance(result, torch.Tensor):
+        return result
+    if isinstance(result, bool):
+        return torch.tensor(result, dtype=torch.bool)
+    if isinstance(result, int):
+        return torch.tensor(result, dtype=torch.int64)
+    if isinstance(result, float):
+        return torch.tensor(result, dtype=torch.float64)
+    raise TypeError(f"sync_ddp reduces a tensor or a number, got {type(result).__name__}")
+
+
+def _describe(tensor: torch.Tensor, op: str) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)} {op}"
+
+
+def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOpName, info: GroupInfo) -> torch.Tensor:
+    world_size, device, group = info.world_size, info.device, info.group
+
+    # 1. The probe: two float64, the same on every rank.
+    scalar = tensor is not None and op in ("sum", "mean") and tensor.numel() == 1 and _fits_float64(tensor, world_size)
+    probe = torch.tensor([tensor.item() if scalar and tensor is not None else 0.0, 1.0 if scalar else 0.0],
+                         dtype=torch.float64)  # fmt: skip
+    if device.type != "cpu":
+        probe = probe.to(device)
+    dist.all_reduce(probe, op=ReduceOp.SUM, group=group)
+    total, eligible = probe.tolist()
+    if eligible == world_size:
+        assert tensor is not None
+        return _scalar_result(total, tensor, op, world_size)
+
+    # 2. The check, with small sum/mean payloads riding along.
+    vector = torch.zeros(_CHECK + _INLINE, dtype=torch.float64)
+    rides_along = False
+    if tensor is None:
+        vector[0] = 1.0
+    else:
+        rides_along = op in ("sum", "mean") and _fits_float64(tensor, world_size)
+        bits = max(8, (53 - world_size.bit_length()) // 2)
+        text = _describe(tensor, op).encode()
+        for slot, signature in ((1, zlib.crc32(text)), (3, zlib.adler32(text))):
+            value = float(signature % (1 << bits) + 1)
+            vector[slot], vector[slot + 1] = value, value * value
+        vector[5] = 0.0 if rides_along else 1.0
+        if rides_along:
+            vector[_CHECK : _CHECK + tensor.numel()] = tensor.detach().reshape(-1).to("cpu", torch.float64)
+    vector = vector.to(device)
+    dist.all_reduce(vector, op=ReduceOp.SUM, group=group)
+    totals = vector[:_CHECK].cpu().tolist()
+
+    agree = all(world_size * int(totals[slot + 1]) == int(totals[slot]) ** 2 for slot in (1, 3))
+    if totals[0] or not agree:
+        # Every rank saw the same totals, so every rank is here: tell them what each passed.
+        if problem is not None:
+            header = error_header(problem)
+        else:
+            header = {"desc": _describe(tensor, op) if tensor is not None else "nothing"}
+        headers = [h for h, _ in exchange("sync_ddp", header, None, info)]
+        raise_errors("sync_ddp", headers)
+        raise CollectiveMismatchError(
+            "sync_ddp: ranks passed incompatible inputs (dtype, shape and op must match): "
+            + "; ".join(f"rank {r}: {h['desc']}" for r, h in enumerate(headers))
+        )
+    assert tensor is not None
+    if not totals[5]:  # every rank's payload rode along
+        summed = vector[_CHECK : _CHECK + tensor.numel()].reshape(tensor.shape).to(tensor.device)
+        return _finish_from_float64(summed, tensor.dtype, op, world_size)
+
+    # 3. Native, in the payload's own dtype (shapes and dtypes are known to match).
+    native = tensor.detach().clone().contiguous().to(device)
+    dist.all_reduce(native, op=_NATIVE[op], group=group)
+    return _finish(native.to(tensor.device), op, world_size)
+
+
+def _scalar_result(total: float, tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
+    """The reduced one-element tensor, from the probe's float64 sum."""
+    if op == "mean":
+        dtype = tensor.dtype if tensor.dtype.is_floating_point else torch.get_default_dtype()
+        value: float | int | bool = total / world_size
+    else:
+        dtype = tensor.dtype
+        value = bool(total) if dtype == torch.bool else int(total) if not dtype.is_floating_point else total
+    result = torch.tensor(value, dtype=dtype, device=tensor.device)
+    return result if tensor.dim() == 0 else result.reshape(tensor.shape)
+
+
+def _fits_float64(tensor: torch.Tensor, world_size: int) -> bool:
+    """Whether a sum over ``world_size`` ranks is exact in float64 and within ``tensor``'s dtype."""
+    if tensor.numel() > _INLINE:
+        return False
+    if tensor.dtype in _FLOATS:
+        return True
+    if tensor.dtype == torch.bool:
+        return True
+    if tensor.dtype.is_complex or tensor.dtype.is_floating_point:
+        return False
+    limit = min(2**53, torch.iinfo(tensor.dtype).max) // world_size
+    return tensor.numel() == 0 or int(tensor.detach().abs().max()) <= limit
+
+
+def _finish_from_float64(summed: torch.Tensor, dtype: torch.dtype, op: str, world_size: int) -> torch.Tensor:
+    if op == "mean":
+        mean_dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
+        return (summed / world_size).to(mean_dtype)
+    return summed.to(dtype)
+
+
+def _finish(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
+    """``tensor`` holds the reduced values (sums for mean); divide for a mean."""
+    if op != "mean":
+        return tensor
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.div_(world_size)
+    return tensor / world_size

@@ -1,0 +1,381 @@
+"""Move one small header and one byte payload per rank, without hangs (layer 3, private).
+
+Every gather in ddpkit goes through :func:`exchange`:
+
+1. One ``all_gather`` of a fixed-size record per rank (the same size on every
+   rank, so it cannot mismatch): a 16-byte prefix (header and payload lengths),
+   the rank's JSON header (metadata: kind, dtype, shape, keys...) and, when it
+   fits, the payload itself. Small payloads cost this one collective.
+2. Every rank now knows every header and every size. The caller's check runs on
+   identical data on every rank, so a mismatch raises on every rank at the same
+   point, and the process group stays usable.
+3. Only what did not fit moves next, with sizes known to all: one ``broadcast``
+   per rank on gloo (2-3x faster than gloo's ``all_gather`` for large data, and
+   only the real bytes move), or a padded ``all_gather`` on NCCL and for small
+   totals.
+
+A rank whose own input is bad sends an error header instead of data, so every
+rank raises together instead of leaving the others waiting.
+
+The code between collectives is kept to few torch calls: right after a
+blocking collective each one costs several times its usual time (measured:
+building a record takes 8 us warm, 46 us after a barrier).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.codec import align
+from ddpkit.errors import DDPKitError
+from ddpkit.process_group import is_distributed
+
+__all__ = [
+    "GroupInfo",
+    "broadcast_bytes",
+    "decode_header",
+    "encode_header",
+    "error_header",
+    "exchange",
+    "exchange_headers",
+    "inline_capacity",
+    "raise_errors",
+]
+
+Header = dict[str, Any]
+Check = Callable[[list[Header]], None]
+
+_PREFIX = struct.Struct("<BBBBIQ")  # magic, version, flags, reserved, header length, payload length
+_MAGIC, _VERSION = 0xDD, 1
+_HEADER_INLINE, _PAYLOAD_INLINE = 1, 2
+# Below this many bytes in all, a padded all_gather beats one broadcast per rank on gloo.
+_SMALL_TOTAL = 1 << 20
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+_CPU = torch.device("cpu")
+
+
+class GroupInfo:
+    """What the collectives need to know about a process group, looked up once per call."""
+
+    __slots__ = ("device", "distributed", "group", "nccl", "rank", "world_size")
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, distributed: bool, world_size: int, rank: int, device: torch.device,
+        nccl: bool,
+    ) -> None:  # fmt: skip
+        self.group = group
+        self.distributed = distributed
+        self.world_size = world_size
+        self.rank = rank
+        self.device = device
+        self.nccl = nccl
+
+    @staticmethod
+    def of(group: dist.ProcessGroup | None) -> GroupInfo:
+        """The facts of ``group`` (the default group for ``None``); a lone process without a group.
+
+        Raises:
+            ValueError: this rank is not a member of ``group``.
+        """
+        if not is_distributed():
+            return GroupInfo(group, False, 1, 0, _CPU, False)
+        pg = group if group is not None else dist.group.WORLD
+        if not isinstance(pg, dist.ProcessGroup):
+            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the process group it was given")
+        name = pg.name()  # cheaper than dist.get_backend(); fall back to it for device-mapped groups
+        nccl = name == "nccl" if name in ("gloo", "nccl", "mpi", "ucc") else dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else _CPU
+        return GroupInfo(group, True, pg.size(), pg.rank(), device, nccl)
+
+    @property
+    def alone(self) -> bool:
+        """No communication needed: no process group, or a group of one."""
+        return not self.distributed or self.world_size == 1
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of group rank ``rank`` (what ``src`` arguments take)."""
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)  # fmt: skip
+_DTYPE_CODES = {str(dtype)[6:]: code for code, dtype in enumerate(_DTYPES)}
+_TENSOR_HEADER = struct.Struct("<BBB")  # form (1 = tensor), dtype code, number of dimensions; then int64 sizes
+
+
+def encode_header(header: Header) -> bytes:
+    """A header's bytes: a compact binary form for tensor descriptors (``dtype``, ``shape``), JSON otherwise."""
+    if header.keys() == {"dtype", "shape"} and header["dtype"] in _DTYPE_CODES and len(header["shape"]) <= 16:
+        shape = header["shape"]
+        return _TENSOR_HEADER.pack(1, _DTYPE_CODES[header["dtype"]], len(shape)) + struct.pack(
+            f"<{len(shape)}q", *shape
+        )
+    return b"\x00" + json.dumps(header, separators=(",", ":")).encode()
+
+
+def decode_header(data: bytes) -> Header:
+    """The inverse of :func:`encode_header`."""
+    if data[:1] == b"\x01":
+        _, code, ndim = _TENSOR_HEADER.unpack_from(data)
+        return {"dtype": str(_DTYPES[code])[6:], "shape": list(struct.unpack_from(f"<{ndim}q", data, 3))}
+    return dict(json.loads(data[1:]))
+
+
+def inline_capacity(world_size: int) -> int:
+    """Bytes of the fixed record each rank sends first: 64 KiB shared by the ranks, 1-4 KiB each."""
+    return max(1024, min(4096, (65536 // max(1, world_size)) // 16 * 16))
+
+
+def error_header(exc: BaseException) -> Header:
+    """The header a rank sends instead of its data when its own input is bad."""
+    return {"error": [type(exc).__name__, str(exc)]}
+
+
+def raise_errors(what: str, headers: Sequence[Header]) -> None:
+    """Raise on every rank if any rank sent an error header.
+
+    The exception is a ``TypeError`` or ``ValueError`` when the first failing rank
+    raised one (so ``except TypeError`` works on every rank), else a
+    :class:`~ddpkit.DDPKitError`; its message names every failing rank.
+    """
+    failures = [(rank, header["error"]) for rank, header in enumerate(headers) if "error" in header]
+    if not failures:
+        return
+    kind = {"TypeError": TypeError, "ValueError": ValueError}.get(failures[0][1][0], DDPKitError)
+    raise kind(f"{what}: " + "; ".join(f"rank {rank}: {message}" for rank, (_, message) in failures))
+
+
+def as_bytes(payload: torch.Tensor | None) -> torch.Tensor:
+    """``payload``'s raw bytes as a 1-D ``uint8`` tensor (a view when it is contiguous)."""
+    if payload is None or payload.numel() == 0:
+        return _EMPTY if payload is None or payload.device.type == "cpu" else _EMPTY.to(payload.device)
+    flat = payload.detach()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.reshape(-1).view(torch.uint8)
+
+
+def exchange_headers(
+    what: str, header: Header, payload: torch.Tensor | None, info: GroupInfo, check: Check | None = None
+) -> tuple[list[Header], list[torch.Tensor | None], list[int]]:
+    """Steps 1 and 2 of :func:`exchange`: every header, and the payloads that fit in the fixed record.
+
+    Returns:
+        ``(headers, payloads, sizes)`` in rank order: a payload is 1-D ``uint8``,
+        or ``None`` when it did not fit (its ``sizes`` entry says how many bytes
+        it has); this rank's own entry is ``payload`` as given (not its bytes).
+    """
+    nbytes = payload.numel() * payload.element_size() if payload is not None else 0
+    if info.alone:
+        raise_errors(what, [header])
+        if check is not None:
+            check([header])
+        return [header], [payload], [nbytes]
+
+    world_size, capacity = info.world_size, inline_capacity(info.world_size)
+    head = encode_header(header)
+    gathered = torch.empty(world_size * capacity, dtype=torch.uint8, device=info.device)
+    _all_gather_flat(gathered, _record(head, payload, nbytes, capacity, info.device), info.group)
+    host = gathered if gathered.device.type == "cpu" else gathered.cpu()
+    memory = (ctypes.c_char * host.numel()).from_address(host.data_ptr())  # read in place; `host` stays alive
+    layouts = [_layout(memory, r * capacity, r) for r in range(world_size)]
+
+    missing = [0 if layout.header_inline else align(layout.header_bytes) for layout in layouts]
+    if any(missing):  # some header did not fit in the record: move the headers alone
+        padded = head + bytes(align(len(head)) - len(head)) if missing[info.rank] else b""
+        mine = torch.frombuffer(bytearray(padded), dtype=torch.uint8).to(info.device) if padded else _EMPTY
+        for layout, blob in zip(layouts, _uneven_gather(mine, missing, info), strict=True):
+            if layout.header is None:
+                assert blob is not None
+                layout.header = decode_header(_host_bytes(blob)[: layout.header_bytes])
+    headers = [layout.header for layout in layouts if layout.header is not None]
+    raise_errors(what, headers)
+    if check is not None:
+        check(headers)
+    payloads: list[torch.Tensor | None] = []
+    for r, layout in enumerate(layouts):
+        if not layout.payload_inline:
+            payloads.append(None)
+        elif r == info.rank:
+            payloads.append(payload)
+        else:
+            payloads.append(gathered[r * capacity + layout.inline_offset : r * capacity + layout.inline_offset
+                                     + layout.payload_bytes])  # fmt: skip
+    return headers, payloads, [layout.payload_bytes for layout in layouts]
+
+
+def exchange(
+    what: str,
+    header: Header,
+    payload: torch.Tensor | None,
+    info: GroupInfo,
+    check: Check | None = None,
+) -> list[tuple[Header, torch.Tensor]]:
+    """All-gather ``(header, payload)`` from every rank of the group; every rank must call it.
+
+    Args:
+        what: the public function's name, for error messages.
+        header: small JSON-able metadata of this rank's payload.
+        payload: any tensor, sent as its raw bytes; ``None`` sends nothing.
+        info: the process group (:meth:`GroupInfo.of`).
+        check: called with every rank's header on every rank before any large
+            data moves; raise there (e.g. :class:`~ddpkit.CollectiveMismatchError`)
+            to fail on every rank together.
+
+    Returns:
+        ``[(header, payload)]`` in rank order: other ranks' payloads as 1-D
+        ``uint8`` on the group's communication device; this rank's own entry is
+        ``payload`` as given (an empty tensor for ``None``).
+
+    Raises:
+        TypeError, ValueError, DDPKitError: some rank sent an error header (see
+            :func:`raise_errors`); whatever ``check`` raises.
+    """
+    headers, payloads, sizes = exchange_headers(what, header, payload, info, check)
+    missing = [size if received is None else 0 for received, size in zip(payloads, sizes, strict=True)]
+    if any(missing):
+        mine = as_bytes(payload).to(info.device) if missing[info.rank] else _EMPTY
+        for r, blob in enumerate(_uneven_gather(mine, missing, info)):
+            if payloads[r] is None:
+                payloads[r] = payload if r == info.rank else blob
+    return [(h, p if p is not None else _EMPTY) for h, p in zip(headers, payloads, strict=True)]
+
+
+def broadcast_bytes(
+    what: str, header: Header, payload: torch.Tensor | None, src: int, info: GroupInfo
+) -> tuple[Header, torch.Tensor]:
+    """Broadcast ``(header, payload)`` from global rank ``src``; other ranks' arguments are ignored.
+
+    One ``broadcast`` of the fixed record when the payload fits in it, else two
+    (or three, for a header too large for the record). Every rank of the group
+    must call it.
+
+    Raises:
+        TypeError, ValueError, DDPKitError: ``src`` sent an error header.
+    """
+    data = as_bytes(payload)
+    nbytes = data.numel()
+    if info.alone:
+        raise_errors(what, [header])
+        return header, data
+    capacity = inline_capacity(info.world_size)
+    is_src = dist.get_rank() == src
+    head = encode_header(header) if is_src else b""
+    if is_src:
+        record = _record(head, data, nbytes, capacity, info.device)
+    else:
+        record = torch.empty(capacity, dtype=torch.uint8, device=info.device)
+    dist.broadcast(record, src=src, group=info.group)
+    layout = _layout(_host_bytes(record), 0, src)
+    if layout.header is None:
+        if is_src:
+            blob = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(info.device)
+        else:
+            blob = torch.empty(layout.header_bytes, dtype=torch.uint8, device=info.device)
+        dist.broadcast(blob, src=src, group=info.group)
+        layout.header = decode_header(_host_bytes(blob))
+    raise_errors(what, [layout.header])
+    if layout.payload_inline:
+        start = layout.inline_offset
+        return layout.header, data if is_src else record[start : start + layout.payload_bytes]
+    buffer = (
+        data.to(info.device) if is_src else torch.empty(layout.payload_bytes, dtype=torch.uint8, device=info.device)
+    )
+    if layout.payload_bytes:
+        dist.broadcast(buffer, src=src, group=info.group)
+    return layout.header, data if is_src else buffer
+
+
+# --- the record ------------------------------------------------------------------------------
+
+
+class _Layout:
+    """What one rank's fixed record says about its header and payload."""
+
+    def __init__(self, header_bytes: int, payload_bytes: int, flags: int, header: Header | None) -> None:
+        self.header_bytes = header_bytes
+        self.payload_bytes = payload_bytes
+        self.header_inline = bool(flags & _HEADER_INLINE)
+        self.payload_inline = bool(flags & _PAYLOAD_INLINE)
+        self.header = header
+        self.inline_offset = align(_PREFIX.size + header_bytes)
+
+
+def _host_bytes(tensor: torch.Tensor) -> bytes:
+    """A copy of a 1-D ``uint8`` tensor's bytes (read straight from memory on the CPU)."""
+    host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+    return ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
+
+
+def _record(
+    head: bytes, payload: torch.Tensor | None, nbytes: int, capacity: int, device: torch.device
+) -> torch.Tensor:
+    """This rank's fixed record, written straight into the tensor's memory."""
+    header_inline = _PREFIX.size + len(head) <= capacity
+    payload_inline = header_inline and align(_PREFIX.size + len(head)) + nbytes <= capacity
+    flags = (_HEADER_INLINE if header_inline else 0) | (_PAYLOAD_INLINE if payload_inline else 0)
+    record = torch.zeros(capacity, dtype=torch.uint8)
+    address = record.data_ptr()
+    _PREFIX.pack_into((ctypes.c_char * _PREFIX.size).from_address(address), 0, _MAGIC, _VERSION, flags, 0,
+                      len(head), nbytes)  # fmt: skip
+    if header_inline and head:
+        ctypes.memmove(address + _PREFIX.size, head, len(head))
+    if payload_inline and nbytes:
+        assert payload is not None
+        host = payload if payload.device.type == "cpu" and payload.is_contiguous() else payload.contiguous().cpu()
+        ctypes.memmove(address + align(_PREFIX.size + len(head)), host.data_ptr(), nbytes)
+    return record if device.type == "cpu" else record.to(device)
+
+
+def _layout(memory: Any, offset: int, rank: int) -> _Layout:
+    """Parse the record of ``rank`` that starts at ``offset`` in ``memory``."""
+    magic, version, flags, _, header_bytes, payload_bytes = _PREFIX.unpack_from(memory, offset)
+    if magic != _MAGIC or version != _VERSION:
+        raise DDPKitError(
+            f"rank {rank} sent something other than a ddpkit record (magic {magic:#x}, version {version}): "
+            "the ranks are not running the same collectives in the same order"
+        )
+    layout = _Layout(header_bytes, payload_bytes, flags, None)
+    if layout.header_inline:
+        start = offset + _PREFIX.size
+        layout.header = decode_header(bytes(memory[start : start + header_bytes]))
+    return layout
+
+
+# --- moving uneven data ------------------------------------------------------------------------
+
+
+def _all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def _uneven_gather(mine: torch.Tensor, sizes: list[int], info: GroupInfo) -> list[torch.Tensor | None]:
+    """Every rank's blob (``sizes[r]`` bytes; ``None`` where 0); sizes are known to all ranks."""
+    world_size, rank, device = len(sizes), info.rank, info.device
+    largest = align(max(sizes))  # keep every row aligned, so any dtype can view it
+    if info.nccl or largest * world_size <= _SMALL_TOTAL:
+        padded = torch.zeros(largest, dtype=torch.uint8, device=device)
+        padded[: sizes[rank]] = mine
+        output = torch.empty(world_size * largest, dtype=torch.uint8, device=device)
+        _all_gather_flat(output, padded, info.group)
+        rows = output.view(world_size, largest)
+        return [rows[r, : sizes[r]] if sizes[r] else None for r in range(world_size)]
+    blobs: list[torch.Tensor | None] = []
+    for r, size in enumerate(sizes):
+        if not size:
+            blobs.append(None)
+            continue
+        blob = mine if r == rank else torch.empty(size, dtype=torch.uint8, device=device)
+        dist.broadcast(blob, src=info.global_rank(r), group=info.group)
+        blobs.append(blob)
+    return blobs

@@ -1,0 +1,310 @@
+"""Gather several named values from every rank and join them: one exchange per call.
+
+Used by ``mp_sync``, ``mp_sync_dict`` and ``sync_dicts_ddp`` (aitoolbox's
+``mp_sync_dict`` runs one gather per key; OML pickles every tensor).
+
+Small data travels inside the metadata exchange. For large data every rank
+knows every size after that exchange, so each large tensor or array key gets
+its final, concatenated buffer up front and each rank's part is broadcast
+straight into its slice (the sender sends from its own tensor): no packing
+copy, no concatenation copy. Lists of objects and small keys share one packed
+blob per rank. On NCCL the blobs go through one padded ``all_gather``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddpkit.codec import align, pack, unpack
+from ddpkit.collectives.transport import GroupInfo, Header, error_header, exchange, exchange_headers
+from ddpkit.errors import CollectiveMismatchError
+
+__all__ = ["Gathered", "Value", "gather_values"]
+
+Kind = Literal["tensor", "array", "objects"]
+# A tensor or array key whose bytes over all ranks reach this is broadcast straight into its final buffer.
+_DIRECT = 1 << 20
+
+
+@dataclass(frozen=True)
+class Value:
+    """One value to gather: a tensor, a numpy array, or a list of plain objects.
+
+    Attributes:
+        data: the value itself.
+        source: what the caller passed ("tensor", "ndarray", "list", "tuple",
+            "scalar", ...), compared across ranks and used to convert back.
+        extra: more metadata compared across ranks (e.g. the element type).
+    """
+
+    data: torch.Tensor | np.ndarray | list[Any]
+    source: str
+    extra: str = ""
+
+
+@dataclass
+class Gathered:
+    """Every rank's values of each key, and their concatenation along the first dimension.
+
+    ``parts[key]`` holds one value per rank (tensors as views, possibly into
+    ``joined[key]``); ``joined[key]`` is the concatenation (a tensor or array on
+    the communication device, or a list), computed on first use.
+    """
+
+    parts: dict[Any, list[Any]]
+    joined: dict[Any, Any] = field(default_factory=dict)
+
+    def join(self, key: Any) -> Any:
+        if key not in self.joined:
+            parts = self.parts[key]
+            if isinstance(parts[0], torch.Tensor):
+                device = parts[-1].device
+                self.joined[key] = torch.cat([p.to(device) for p in parts])
+            elif isinstance(parts[0], np.ndarray):
+                self.joined[key] = np.concatenate(parts)
+            else:
+                self.joined[key] = [item for part in parts for item in part]
+        return self.joined[key]
+
+
+def gather_values(
+    what: str,
+    values: dict[Any, Value] | BaseException,
+    group: dist.ProcessGroup | None,
+    *,
+    allow_pickle: bool = False,
+) -> Gathered:
+    """Every rank's ``{key: value}``; every rank must call it.
+
+    Keys must be the same on every rank, and each key's kind, source, dtype and
+    trailing dimensions (all but the first) too; the first dimension may differ.
+    Pass the exception instead of ``values`` when this rank's input is bad:
+    every rank then raises it.
+
+    Raises:
+        CollectiveMismatchError: keys or per-key metadata differ between ranks.
+        TypeError, ValueError: some rank's input was bad, or a list holds objects
+            that need ``allow_pickle=True``.
+    """
+    info = GroupInfo.of(group)
+    rank = info.rank
+    try:
+        if isinstance(values, BaseException):
+            raise values
+        metas, raws = _describe_values(values, allow_pickle)
+        header: Header = {"keys": list(values), "values": metas}
+    except (TypeError, ValueError) as exc:
+        header, raws, values = error_header(exc), [], {}
+
+    def check(headers: list[Header]) -> None:
+        _check(what, headers)
+
+    # Small data rides in the metadata exchange; each rank says whether its data did.
+    header["inline"] = sum(r.numel() for r in raws) <= 4096
+    inline = _pack_blob(raws, range(len(raws))) if header["inline"] else None
+    headers, inline_payloads, _ = exchange_headers(what, header, inline, info, check)
+    keys = list(headers[0]["keys"])
+    metas_by_rank = [h["values"] for h in headers]
+
+    direct: dict[int, torch.Tensor] = {}
+    pending: list[Any] = []
+    if all(h["inline"] for h in headers) and all(p is not None for p in inline_payloads):
+        blobs = list(inline_payloads)
+    elif info.nccl:
+        gathered = exchange(what, {}, _pack_blob(raws, range(len(raws))), info)
+        blobs = [data for _, data in gathered]
+    else:
+        blobs, direct, pending = _move_large(metas_by_rank, raws, info)
+        _fill_own_parts(direct, metas_by_rank, raws, rank)
+
+    parts: dict[Any, list[Any]] = {key: [] for key in keys}
+    joined: dict[Any, Any] = {}
+    # Objects and blob keys first: decoding them overlaps the pending direct broadcasts.
+    order = sorted(range(len(keys)), key=lambda i: i in direct)
+    for index in order:
+        key = keys[index]
+        if index in direct:
+            while pending:
+                pending.pop().wait()
+            joined[key] = _view(direct[index], [m[index] for m in metas_by_rank])
+        offset = 0
+        for r, metas in enumerate(metas_by_rank):
+            meta = metas[index]
+            if index in direct:
+                data = direct[index][offset : offset + meta["bytes"]]
+                offset += meta["bytes"]
+            elif r == rank and isinstance(values, dict):
+                parts[key].append(values[key].data)  # this rank's own value: no round trip
+                continue
+            else:
+                blob = blobs[r]
+                assert blob is not None
+                data = blob[meta["blob_offset"] : meta["blob_offset"] + meta["bytes"]]
+            parts[key].append(_decode(meta, data, allow_pickle))
+    return Gathered(parts, joined)
+
+
+# --- describing and packing --------------------------------------------------------------------
+
+
+def _describe_values(values: dict[Any, Value], allow_pickle: bool) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+    """Per key: JSON metadata, and the raw bytes this rank sends."""
+    metas, raws = [], []
+    offset = 0
+    for key, value in values.items():
+        if not isinstance(key, (str, int, float, bool, type(None))):
+            raise TypeError(f"keys must be strings or numbers, got {type(key).__name__} {key!r}")
+        data = value.data
+        meta: dict[str, Any] = {"source": value.source, "extra": value.extra}
+        if isinstance(data, torch.Tensor):
+            meta.update(kind="tensor", dtype=str(data.dtype).removeprefix("torch."), shape=list(data.shape))
+            flat = data.detach().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
+        elif isinstance(data, np.ndarray):
+            if data.dtype.hasobject or np.dtype(data.dtype.str) != data.dtype:
+                raise TypeError(f"numpy arrays of dtype {data.dtype} (key {key!r}) cannot be sent as raw bytes")
+            meta.update(kind="array", dtype=data.dtype.str, shape=list(data.shape))
+            flat_array = np.ascontiguousarray(data).reshape(-1)
+            raw = torch.from_numpy(flat_array.view(np.uint8)) if flat_array.size else torch.empty(0, dtype=torch.uint8)
+        else:
+            meta.update(kind="objects", len=len(data))
+            raw = pack(list(data), allow_pickle=allow_pickle)
+        offset = align(offset)
+        meta["bytes"], meta["blob_offset"] = raw.numel(), offset
+        offset += raw.numel()
+        metas.append(meta)
+        raws.append(raw)
+    return metas, raws
+
+
+def _pack_blob(raws: list[torch.Tensor], indices: Any) -> torch.Tensor | None:
+    """The raws at ``indices`` laid out at their aligned blob offsets (the layout of :func:`_describe_values`)."""
+    chosen = [(i, raws[i]) for i in indices]
+    if not chosen:
+        return None
+    device = next((r.device for _, r in chosen if r.device.type != "cpu"), torch.device("cpu"))
+    pieces: list[torch.Tensor] = []
+    offset = 0
+    for _, raw in chosen:
+        padding = align(offset) - offset
+        if padding:
+            pieces.append(torch.zeros(padding, dtype=torch.uint8, device=device))
+        pieces.append(raw.to(device))
+        offset += padding + raw.numel()
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _move_large(
+    metas_by_rank: list[list[dict[str, Any]]], raws: list[torch.Tensor], info: GroupInfo
+) -> tuple[list[torch.Tensor | None], dict[int, torch.Tensor], list[Any]]:
+    """gloo: large tensor and array keys straight into their joined buffers, the rest in one blob per rank.
+
+    Returns the blobs (received), the joined buffers of the direct keys, and the
+    pending broadcasts that fill those buffers (wait for them before use).
+    """
+    device, rank, group = info.device, info.rank, info.group
+    count = len(metas_by_rank[0])
+    direct_keys = [
+        i for i in range(count)
+        if metas_by_rank[0][i]["kind"] != "objects" and sum(m[i]["bytes"] for m in metas_by_rank) >= _DIRECT
+    ]  # fmt: skip
+    blob_keys = [i for i in range(count) if i not in direct_keys]
+    # Re-lay the blob keys compactly; every rank computes the same offsets from the headers.
+    blob_sizes = []
+    for metas in metas_by_rank:
+        offset = 0
+        for i in blob_keys:
+            offset = align(offset)
+            metas[i]["blob_offset"] = offset
+            offset += metas[i]["bytes"]
+        blob_sizes.append(offset)
+    direct = {i: torch.empty(sum(m[i]["bytes"] for m in metas_by_rank), dtype=torch.uint8, device=device)
+              for i in direct_keys}  # fmt: skip
+    blobs: list[torch.Tensor | None] = []
+    blob_works = []
+    for r in range(len(metas_by_rank)):  # the blobs first: they are decoded while the rest arrives
+        if blob_sizes[r]:
+            blob = _pack_blob(raws, blob_keys) if r == rank else None
+            blob = blob.to(device) if blob is not None else torch.empty(blob_sizes[r], dtype=torch.uint8, device=device)
+            blob_works.append(dist.broadcast(blob, src=info.global_rank(r), group=group, async_op=True))
+            blobs.append(blob)
+        else:
+            blobs.append(None)
+    direct_works = []
+    for r in range(len(metas_by_rank)):
+        for i in direct_keys:
+            start = sum(m[i]["bytes"] for m in metas_by_rank[:r])
+            size = metas_by_rank[r][i]["bytes"]
+            if size:
+                target = raws[i].to(device) if r == rank else direct[i][start : start + size]
+                direct_works.append(dist.broadcast(target, src=info.global_rank(r), group=group, async_op=True))
+    for work in blob_works:
+        work.wait()
+    return blobs, direct, direct_works
+
+
+def _fill_own_parts(
+    direct: dict[int, torch.Tensor], metas_by_rank: list[list[dict[str, Any]]], raws: list[torch.Tensor], rank: int
+) -> None:
+    """Copy this rank's own part of each direct key into its slice (while the others' parts arrive)."""
+    for i, buffer in direct.items():
+        start = sum(m[i]["bytes"] for m in metas_by_rank[:rank])
+        buffer[start : start + raws[i].numel()].copy_(raws[i])
+
+
+# --- checking and decoding ------------------------------------------------------------------------
+
+
+def _check(what: str, headers: list[Header]) -> None:
+    first = headers[0]
+    if any(h["keys"] != first["keys"] for h in headers):
+        raise CollectiveMismatchError(
+            f"{what}: ranks passed different keys: "
+            + "; ".join(f"rank {r}: {h['keys']}" for r, h in enumerate(headers))
+        )
+    for index, key in enumerate(first["keys"]):
+        metas = [h["values"][index] for h in headers]
+        if len({_signature(m) for m in metas}) > 1:
+            label = "" if key is None and len(first["keys"]) == 1 else f" for key {key!r}"
+            raise CollectiveMismatchError(
+                f"{what}: ranks passed incompatible values{label} (kind, dtype and all but the first dimension "
+                "must match): " + "; ".join(f"rank {r}: {_text(m)}" for r, m in enumerate(metas))
+            )
+
+
+def _signature(meta: dict[str, Any]) -> tuple[Any, ...]:
+    if meta["kind"] == "objects":
+        return ("objects", meta["source"], meta["extra"])
+    return (meta["kind"], meta["source"], meta["extra"], meta["dtype"], len(meta["shape"]), tuple(meta["shape"][1:]))
+
+
+def _text(meta: dict[str, Any]) -> str:
+    if meta["kind"] == "objects":
+        return f"{meta['source']} of {meta['len']} objects"
+    extra = f" of {meta['extra']}" if meta["extra"] else ""
+    return f"{meta['source']}{extra} ({meta['kind']}) {meta['dtype']} {tuple(meta['shape'])}"
+
+
+def _decode(meta: dict[str, Any], data: torch.Tensor, allow_pickle: bool) -> Any:
+    if meta["kind"] == "objects":
+        return unpack(data, allow_pickle=allow_pickle, copy=False)
+    return _view(data, [meta])
+
+
+def _view(data: torch.Tensor, metas: list[dict[str, Any]]) -> Any:
+    """``data`` (raw bytes) seen as the tensor or array that ``metas`` describe, joined along dim 0."""
+    meta = metas[0]
+    shape = list(meta["shape"])
+    if shape:
+        shape[0] = sum(m["shape"][0] for m in metas)
+    if meta["kind"] == "tensor":
+        dtype = getattr(torch, meta["dtype"])
+        return data.view(dtype).reshape(shape) if data.numel() else torch.empty(shape, dtype=dtype, device=data.device)
+    np_dtype = np.dtype(meta["dtype"])
+    host = data.cpu().numpy()
+    return host.view(np_dtype).reshape(shape) if host.size else np.empty(shape, dtype=np_dtype)
