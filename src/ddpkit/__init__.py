@@ -39,6 +39,13 @@ from ddpkit.errors import (
     WorkerFailedError,
 )
 from ddpkit.launch import launch, run_script
+from ddpkit.loaders import (
+    build_loader_sampler,
+    check_loaders_is_patched,
+    extract_loader_parameters,
+    patch_dataloader_to_ddp,
+)
+from ddpkit.ordered import gather_in_order
 from ddpkit.process_group import (
     barrier,
     destroy_dist_connection,
@@ -51,6 +58,7 @@ from ddpkit.process_group import (
     rank_zero_only,
     seed_everything,
 )
+from ddpkit.samplers import DDPSamplerWrapper, DistributedSamplerWrapper
 
 __version__ = "0.1.0"
 
@@ -61,6 +69,8 @@ __all__ = [
     "ClusterSettings",
     "CollectiveMismatchError",
     "DDPKitError",
+    "DDPSamplerWrapper",
+    "DistributedSamplerWrapper",
     "KubeflowEnvironment",
     "LSFEnvironment",
     "LocalEnvironment",
@@ -74,9 +84,13 @@ __all__ = [
     "all_gather_object",
     "barrier",
     "broadcast_object",
+    "build_loader_sampler",
+    "check_loaders_is_patched",
     "destroy_dist_connection",
     "detect_environment",
+    "extract_loader_parameters",
     "gather_all_tensors",
+    "gather_in_order",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -86,6 +100,7 @@ __all__ = [
     "merge_list_of_dicts",
     "mp_sync",
     "mp_sync_dict",
+    "patch_dataloader_to_ddp",
     "rank_zero_first",
     "rank_zero_only",
     "run_script",

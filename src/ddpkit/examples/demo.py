@@ -1,10 +1,12 @@
 """``ddpkit demo``: a digits classifier trained with DistributedDataParallel on N CPU processes.
 
-What it shows, in the plainest torch code: each rank trains on its shard of the
-training split (``DistributedSampler`` with ``set_epoch`` every epoch), DDP
-averages the gradients, and validation accuracy is exact: every validation
-sample is counted once (rank ``r`` evaluates samples ``r, r + W, r + 2W, ...``,
-without padding) and the counts are summed with one ``all_reduce``.
+What it shows: each rank trains on its shard of the training split (a
+:class:`~ddpkit.DistributedSamplerWrapper` around a ``RandomSampler``: the
+epochs advance by themselves, no ``set_epoch`` to forget), DDP averages the
+gradients, and the validation split is sharded with padding like any
+``DistributedSampler`` -- but :func:`~ddpkit.gather_in_order` puts the
+predictions back in single-process order with the padded duplicates removed,
+so the accuracy printed is exactly the single-process number.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from tqdm import tqdm
 
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.launch import launch
-from ddpkit.process_group import get_rank, get_world_size, is_distributed, seed_everything
+from ddpkit.ordered import gather_in_order
+from ddpkit.process_group import get_rank, is_distributed, seed_everything
+from ddpkit.samplers import DistributedSamplerWrapper
 
-__all__ = ["DemoConfig", "DemoResult", "run_demo", "train_digits"]
+__all__ = ["DemoConfig", "DemoResult", "evaluate", "run_demo", "train_digits"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class DemoResult:
         val_correct: validation samples classified correctly after the last epoch.
         val_total: validation samples (each counted exactly once).
         train_seconds: wall time of the training loop on rank 0, in seconds.
+        weights: the trained model's ``state_dict`` (to check the accuracy on one process).
     """
 
     world_size: int
@@ -67,6 +72,7 @@ class DemoResult:
     val_correct: int
     val_total: int
     train_seconds: float
+    weights: dict[str, torch.Tensor]
 
     @property
     def val_accuracy(self) -> float:
@@ -84,24 +90,22 @@ def train_digits(config: DemoConfig) -> DemoResult:
 
     Every rank must call it. Rank 0 prints one line per epoch.
     """
-    rank, world_size = get_rank(), get_world_size()
+    rank = get_rank()
     train_set, val_set = digits_datasets(seed=config.seed)
     seed_everything(config.seed)
     model = build_model()
     ddp_model: nn.Module = DistributedDataParallel(model) if is_distributed() else model
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=config.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    sampler: DistributedSampler[int] = DistributedSampler(
-        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed
-    )
-    loader = DataLoader(train_set, batch_size=config.batch_size, sampler=sampler)
-    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
+    train_sampler = DistributedSamplerWrapper(RandomSampler(train_set), seed=config.seed)
+    loader = DataLoader(train_set, batch_size=config.batch_size, sampler=train_sampler)
+    val_sampler = DistributedSamplerWrapper(SequentialSampler(val_set))  # padded, as DistributedSampler would
+    val_loader = DataLoader(val_set, batch_size=256, sampler=val_sampler)
 
     losses: list[float] = []
     correct = total = 0
     started = time.perf_counter()
     for epoch in range(config.epochs):
-        sampler.set_epoch(epoch)
         ddp_model.train()
         loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of sample losses, samples)
         bar = tqdm(
@@ -117,7 +121,7 @@ def train_digits(config: DemoConfig) -> DemoResult:
             loss.backward()
             optimizer.step()
             loss_sum += torch.tensor([loss.item() * len(labels), len(labels)], dtype=torch.float64)
-        correct, total = _evaluate(model, val_shard)
+        correct, total = evaluate(model, val_loader, val_sampler)
         _sum_over_ranks(loss_sum)
         losses.append(float(loss_sum[0] / loss_sum[1]))
         if rank == 0:
@@ -125,7 +129,28 @@ def train_digits(config: DemoConfig) -> DemoResult:
                 f"epoch {epoch + 1:>2}/{config.epochs}  train loss {losses[-1]:.4f}  "
                 f"validation accuracy {correct / total:.4f} ({correct}/{total})"
             )
-    return DemoResult(world_size, tuple(losses), correct, total, time.perf_counter() - started)
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    elapsed = time.perf_counter() - started
+    return DemoResult(val_sampler.num_replicas, tuple(losses), correct, total, elapsed, weights)
+
+
+def evaluate(
+    model: nn.Module, loader: DataLoader[tuple[torch.Tensor, ...]], sampler: DistributedSamplerWrapper
+) -> tuple[int, int]:
+    """(correct, total) over the whole validation split, each sample counted exactly once.
+
+    Every rank predicts its (padded) shard; one :func:`~ddpkit.gather_in_order`
+    brings ``(prediction, label)`` pairs back in single-process order, duplicates
+    removed. Every rank must call it.
+    """
+    model.eval()
+    rows = []
+    with torch.no_grad():
+        for images, labels in loader:
+            rows.append(torch.stack([model(images).argmax(dim=1), labels], dim=1))
+    local = torch.cat(rows) if rows else torch.empty(0, 2, dtype=torch.int64)
+    pairs = gather_in_order(local, sampler)
+    return int((pairs[:, 0] == pairs[:, 1]).sum()), len(pairs)
 
 
 def run_demo(nprocs: int = 2, config: DemoConfig | None = None) -> DemoResult:
@@ -133,18 +158,6 @@ def run_demo(nprocs: int = 2, config: DemoConfig | None = None) -> DemoResult:
     results = launch(train_digits, config or DemoConfig(), nprocs=nprocs, backend="gloo")
     result: DemoResult = results[0]
     return result
-
-
-def _evaluate(model: nn.Module, shard: Subset[tuple[torch.Tensor, ...]]) -> tuple[int, int]:
-    """(correct, total) over every rank's validation shard; each sample counted once."""
-    model.eval()
-    counts = torch.zeros(2, dtype=torch.int64)
-    with torch.no_grad():
-        for images, labels in DataLoader(shard, batch_size=256):
-            counts[0] += int((model(images).argmax(dim=1) == labels).sum())
-            counts[1] += len(labels)
-    _sum_over_ranks(counts)
-    return int(counts[0]), int(counts[1])
 
 
 def _sum_over_ranks(tensor: torch.Tensor) -> None:

@@ -1,0 +1,176 @@
+"""Rebuild DataLoaders for DDP without losing anything (layer 4; seeds 000, 001, 004).
+
+Peers rebuild a loader from a handful of fields and silently drop the rest
+(aitoolbox keeps 9 and loses ``persistent_workers``, ``prefetch_factor``,
+``generator``, ``multiprocessing_context``, ``pin_memory_device`` and any custom
+sampler). Here every ``DataLoader.__init__`` argument the loader holds is
+carried over, and any sampler or batch sampler is sharded by
+:class:`~ddpkit.DistributedSamplerWrapper`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from ddpkit.errors import WarningDDP
+from ddpkit.process_group import is_distributed
+from ddpkit.samplers import DDPSamplerWrapper, DistributedSamplerWrapper
+
+__all__ = ["build_loader_sampler", "check_loaders_is_patched", "extract_loader_parameters", "patch_dataloader_to_ddp"]
+
+log = logging.getLogger(__name__)
+
+_DATA_RELATED = ("sampler", "batch_sampler", "drop_last", "shuffle", "batch_size", "dataset")
+
+
+def extract_loader_parameters(loader: DataLoader[Any], ignore_data_related_parameters: bool = False) -> dict[str, Any]:
+    """The ``DataLoader.__init__`` arguments ``loader`` holds (seed 004, OML).
+
+    Every parameter of ``DataLoader.__init__`` that the loader keeps as an
+    attribute is returned (``num_workers``, ``collate_fn``, ``pin_memory``,
+    ``timeout``, ``worker_init_fn``, ``multiprocessing_context``, ``generator``,
+    ``prefetch_factor``, ``persistent_workers``, ``pin_memory_device``,
+    ``in_order``, ... as the installed torch has them).
+
+    Args:
+        loader: the loader.
+        ignore_data_related_parameters: leave out ``sampler``, ``batch_sampler``,
+            ``drop_last``, ``shuffle``, ``batch_size`` and ``dataset``.
+
+    Returns:
+        ``{parameter name: value}``.
+    """
+    ignored = {"self", *(_DATA_RELATED if ignore_data_related_parameters else ())}
+    extracted = {}
+    for name in inspect.signature(DataLoader.__init__).parameters:
+        if name not in ignored and hasattr(loader, name):
+            extracted[name] = getattr(loader, name)
+    return extracted
+
+
+def patch_dataloader_to_ddp(loader: DataLoader[Any]) -> DataLoader[Any]:
+    """The same loader, its sampler or batch sampler sharded for DDP (seeds 001, 004, OML).
+
+    As in OML: a loader whose batch sampler is exactly ``BatchSampler`` (the
+    default) gets its *sampler* wrapped in :class:`~ddpkit.DDPSamplerWrapper` and
+    is re-batched with the same batch size and ``drop_last``; any other batch
+    sampler is wrapped as a whole (batches kept intact). Entries are padded so
+    every rank gets the same number (``pad_data_to_num_gpus=True``) and not
+    shuffled between ranks. Every other ``DataLoader`` argument is kept.
+
+    Without a process group the loader is returned unchanged, with a
+    :class:`~ddpkit.WarningDDP`.
+
+    Raises:
+        TypeError: the loader reads an ``IterableDataset``, which has no sampler
+            to shard (shard the stream inside the dataset instead).
+    """
+    if not is_distributed():
+        warnings.warn(patch_dataloader_to_ddp.__name__, WarningDDP, stacklevel=2)
+        return loader
+    _refuse_iterable(loader, "patch_dataloader_to_ddp")
+    batch_sampler = loader.batch_sampler
+    if type(batch_sampler) is BatchSampler:
+        sampler = DDPSamplerWrapper(
+            batch_sampler.sampler, shuffle_samples_between_gpus=False, pad_data_to_num_gpus=True
+        )
+        patched = _rebatched(loader, sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        info = f"'{type(batch_sampler.sampler).__name__}' sampler"
+    elif batch_sampler is None:  # automatic batching disabled
+        sampler = DDPSamplerWrapper(loader.sampler, shuffle_samples_between_gpus=False)
+        patched = _rebatched(loader, sampler, None, False)
+        info = f"'{type(loader.sampler).__name__}' sampler"
+    else:
+        wrapped = DDPSamplerWrapper(batch_sampler, shuffle_samples_between_gpus=False)
+        patched = DataLoader(loader.dataset, batch_sampler=wrapped, **extract_loader_parameters(loader, True))
+        info = f"'{type(batch_sampler).__name__}' batch sampler"
+    log.info("DataLoader with %s is updated to DDP mode", info)
+    return patched
+
+
+def check_loaders_is_patched(loaders: DataLoader[Any] | Sequence[DataLoader[Any]]) -> bool:
+    """Whether every loader's sampler or batch sampler is sharded for DDP (seed 004, OML).
+
+    True for :class:`~ddpkit.DistributedSamplerWrapper` (so also
+    :class:`~ddpkit.DDPSamplerWrapper`) and ``torch.utils.data.DistributedSampler``.
+    """
+    items = [loaders] if isinstance(loaders, DataLoader) else list(loaders)
+    return all(
+        any(isinstance(s, DistributedSampler) for s in (loader.batch_sampler, loader.sampler)) for loader in items
+    )
+
+
+def build_loader_sampler(
+    data_loader: DataLoader[Any],
+    shuffle: bool,
+    world_size: int,
+    rank: int,
+    *,
+    even_shards: bool = True,
+) -> tuple[DataLoader[Any], DistributedSamplerWrapper]:
+    """Replicate a single-process loader with a distributed sampler added (seed 000, aitoolbox's ``DDPHandler``).
+
+    No process group is needed: ``world_size`` and ``rank`` are explicit. A
+    loader with the default ``SequentialSampler``/``RandomSampler`` gets what
+    ``DistributedSampler(dataset, shuffle=shuffle)`` would give; a custom sampler
+    or batch sampler is kept and sharded (its positions also shuffled between
+    ranks if ``shuffle``). Every other ``DataLoader`` argument is kept.
+
+    Args:
+        data_loader: the original single-process loader.
+        shuffle: return the examples in a shuffled order (seeded with the epoch).
+        world_size: number of processes.
+        rank: this process's rank.
+        even_shards: pad so every rank gets the same number of entries (default,
+            as ``DistributedSampler``); ``False`` for evaluation without duplicates
+            (see :func:`~ddpkit.gather_in_order`).
+
+    Returns:
+        ``(new loader, its distributed sampler)``; the sampler is a
+        ``DistributedSampler`` subclass (call ``set_epoch`` as usual, or let the
+        epochs advance by themselves).
+
+    Raises:
+        TypeError: the loader reads an ``IterableDataset``.
+        ValueError: ``rank`` outside ``[0, world_size)``.
+    """
+    _refuse_iterable(data_loader, "build_loader_sampler")
+    batch_sampler = data_loader.batch_sampler
+    if batch_sampler is None or type(batch_sampler) is BatchSampler:
+        inner = data_loader.sampler if batch_sampler is None else batch_sampler.sampler
+        if type(inner) in (SequentialSampler, RandomSampler):  # the defaults: shard the dataset itself
+            inner = SequentialSampler(data_loader.dataset)  # type: ignore[arg-type]
+        sampler = DistributedSamplerWrapper(inner, world_size, rank, shuffle, even_shards=even_shards)
+        if batch_sampler is None:
+            return _rebatched(data_loader, sampler, None, False), sampler
+        return _rebatched(data_loader, sampler, batch_sampler.batch_size, batch_sampler.drop_last), sampler
+    sampler = DistributedSamplerWrapper(batch_sampler, world_size, rank, shuffle, even_shards=even_shards)
+    loader = DataLoader(data_loader.dataset, batch_sampler=sampler, **extract_loader_parameters(data_loader, True))
+    return loader, sampler
+
+
+def _rebatched(loader: DataLoader[Any], sampler: Any, batch_size: int | None, drop_last: bool) -> DataLoader[Any]:
+    kwargs = extract_loader_parameters(loader, ignore_data_related_parameters=True)
+    return DataLoader(loader.dataset, sampler=sampler, batch_size=batch_size, drop_last=drop_last, **kwargs)
+
+
+def _refuse_iterable(loader: DataLoader[Any], what: str) -> None:
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError(
+            f"{what} cannot shard a DataLoader over an IterableDataset ({type(loader.dataset).__name__}): it has no "
+            "sampler. Split the stream inside the dataset instead, e.g. keep items where "
+            "index % world_size == rank (ddpkit.get_rank(), ddpkit.get_world_size())"
+        )

@@ -1,0 +1,285 @@
+"""DistributedSamplerWrapper and DDPSamplerWrapper: sharding invariants, epochs, agreement across ranks."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+
+from ddpkit import CollectiveMismatchError, DDPSamplerWrapper, DistributedSamplerWrapper
+from ddpkit.ordered import _place
+from ddpkit.testing import run_parallel
+
+
+class ReversedSampler(Sampler[int]):
+    """A custom sampler: the generic (non tensor) path."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        return iter(range(self.n - 1, -1, -1))
+
+
+class GlobalRandomSampler(Sampler[int]):
+    """Draws from torch's global RNG, as many custom samplers do."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        return iter(torch.randperm(self.n).tolist())
+
+
+def base_sampler(kind: str, n: int, batch: int | None, batch_drop: bool) -> Any:
+    inner: Any = {
+        "sequential": lambda: SequentialSampler(range(n)),
+        "random": lambda: RandomSampler(range(n)),  # no generator: the wrapper must seed it
+        "seeded": lambda: RandomSampler(range(n), generator=torch.Generator().manual_seed(11)),
+        "custom": lambda: ReversedSampler(n),
+        "global": lambda: GlobalRandomSampler(n),
+    }[kind]()
+    return BatchSampler(inner, batch, batch_drop) if batch else inner
+
+
+shards = st.fixed_dictionaries(
+    {
+        "n": st.integers(0, 60),
+        "world": st.integers(1, 5),
+        "drop_last": st.booleans(),
+        "even": st.booleans(),
+        "shuffle": st.booleans(),
+        "kind": st.sampled_from(["sequential", "random", "seeded", "custom", "global"]),
+        "batch": st.none() | st.integers(1, 7),
+        "batch_drop": st.booleans(),
+        "seed": st.integers(0, 1000),
+    }
+)
+
+
+def flatten(entries: list[Any]) -> list[int]:
+    return [i for e in entries for i in (e if isinstance(e, list) else [e])]
+
+
+@settings(max_examples=300)
+@given(shards)
+def test_sharding_invariants(case: dict[str, Any]) -> None:
+    n, world = case["n"], case["world"]
+    assume(n > 0 or case["kind"] not in ("random", "seeded"))  # torch's RandomSampler refuses 0 items
+    wrappers = [
+        DistributedSamplerWrapper(
+            base_sampler(case["kind"], n, case["batch"], case["batch_drop"]),
+            world,
+            rank,
+            case["shuffle"],
+            case["seed"],
+            case["drop_last"],
+            case["even"],
+        )
+        for rank in range(world)
+    ]
+    per_rank = [list(w) for w in wrappers]
+    reference = DistributedSamplerWrapper(
+        base_sampler(case["kind"], n, case["batch"], case["batch_drop"]), 1, 0, seed=case["seed"], even_shards=False
+    )
+    wrapped = list(reference)  # the wrapped sampler's own epoch, seeded as on every rank
+    entries = len(wrapped)
+
+    assert [len(entries_) for entries_ in per_rank] == [len(w) for w in wrappers], "__len__ is what is yielded"
+    counts = Counter(map(repr, (e for shard in per_rank for e in shard)))
+    expected = Counter(map(repr, wrapped))
+    if case["drop_last"]:
+        assert len({len(s) for s in per_rank}) == 1
+        assert sum(map(len, per_rank)) == entries // world * world
+        assert all(counts[k] <= expected[k] for k in counts), "dropping never duplicates"
+    elif case["even"]:
+        assert len({len(s) for s in per_rank}) <= 1
+        assert all(counts[k] >= expected[k] for k in expected), "padding never loses"
+        assert sum(map(len, per_rank)) == (-(-entries // world) * world if entries else 0)
+    else:
+        assert counts == expected, "uneven shards: every entry exactly once"
+        assert max(map(len, per_rank)) - min(map(len, per_rank)) <= 1
+
+    # gather_in_order's inversion: each rank's items back in the wrapped order, padding removed.
+    layout = wrappers[0].last_layout
+    assert layout is not None
+    pieces = [(*layout.rank_items(r), flatten(shard)) for r, shard in enumerate(per_rank)]
+    restored = _place([], pieces, layout)
+    processed = {i for shard in per_rank for i in flatten(shard)}
+    assert restored == [i for i in flatten(wrapped) if i in processed]
+    if not case["drop_last"]:
+        assert restored == flatten(wrapped), "without drop_last the whole epoch comes back, in order"
+
+
+def test_layout_is_distributed_samplers_for_plain_datasets() -> None:
+    """Wrapping SequentialSampler with shuffle reproduces DistributedSampler exactly, padding included."""
+    for drop_last in (False, True):
+        for rank in range(3):
+            ours = DistributedSamplerWrapper(SequentialSampler(range(11)), 3, rank, True, 5, drop_last)
+            theirs = DistributedSampler(range(11), 3, rank, shuffle=True, seed=5, drop_last=drop_last)
+            for epoch in range(3):
+                theirs.set_epoch(epoch)
+                assert list(ours) == list(theirs)
+
+
+def test_epochs_advance_by_themselves_and_set_epoch_wins() -> None:
+    wrapper = DistributedSamplerWrapper(RandomSampler(range(20)), 2, 0)
+    first, second = list(wrapper), list(wrapper)
+    assert (wrapper.epoch, first != second) == (1, True)
+    wrapper.set_epoch(0)
+    assert list(wrapper) == first, "an explicit epoch reproduces that epoch"
+    wrapper.set_epoch(7)
+    list(wrapper)
+    list(wrapper)
+    assert wrapper.epoch == 8
+
+
+def test_resuming_part_way_skips_without_touching_the_skipped_items() -> None:
+    wrapper = DistributedSamplerWrapper(RandomSampler(range(30)), 3, 1, shuffle=True)
+    full = list(wrapper)
+    wrapper.load_state_dict({**wrapper.state_dict(), "start": 4})
+    assert len(wrapper) == len(full) - 4
+    assert list(wrapper) == full[4:]
+    assert list(wrapper) != full[4:], "then the next epoch starts"
+
+
+def test_the_global_rng_is_restored() -> None:
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    expected = (torch.rand(1).item(), random.random(), np.random.rand())
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    list(DistributedSamplerWrapper(GlobalRandomSampler(50), 2, 0, shuffle=True))
+    list(DistributedSamplerWrapper(RandomSampler(range(50)), 2, 0))
+    assert (torch.rand(1).item(), random.random(), np.random.rand()) == expected
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, num_replicas=2\)"):
+        DistributedSamplerWrapper(range(4), 2, 2)
+    with pytest.raises(TypeError, match="has no __len__"):
+        DistributedSamplerWrapper(iter(range(3)), 1, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="start=-1"):
+        DistributedSamplerWrapper(range(4), 1, 0).set_start(-1)
+
+
+def test_without_a_process_group_it_is_one_rank() -> None:
+    wrapper = DistributedSamplerWrapper(SequentialSampler(range(5)))
+    assert (wrapper.num_replicas, wrapper.rank, list(wrapper)) == (1, 0, [0, 1, 2, 3, 4])
+    assert isinstance(wrapper, DistributedSampler)
+
+
+# --- across real ranks ----------------------------------------------------------------------------------
+
+
+def _unseeded_epochs(n: int, epochs: int) -> list[list[int]]:
+    torch.manual_seed(dist.get_rank())  # every rank's global RNG differs
+    wrapper = DistributedSamplerWrapper(RandomSampler(range(n)), even_shards=False)
+    return [list(wrapper) for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_unseeded_random_sampler_sees_every_item_once_per_epoch(world_size: int) -> None:
+    """Lightning's and OML's wrappers let each rank draw its own permutation here: ~25% of items lost."""
+    results = run_parallel(_unseeded_epochs, 1000, 3, world_size=world_size)
+    for epoch in range(3):
+        seen = sorted(i for rank in results for i in rank[epoch])
+        assert seen == list(range(1000))
+    assert results[0][0] != results[0][1], "each epoch is a new permutation"
+
+
+def _global_rng_sampler() -> list[int]:
+    torch.manual_seed(100 + dist.get_rank())
+    return list(DistributedSamplerWrapper(GlobalRandomSampler(40), even_shards=False))
+
+
+def test_samplers_that_use_the_global_rng_agree_across_ranks() -> None:
+    results = run_parallel(_global_rng_sampler, world_size=3)
+    assert sorted(i for r in results for i in r) == list(range(40))
+
+
+class PrivateRandomSampler(Sampler[int]):
+    """Randomness ddpkit cannot reach: a numpy Generator of its own, seeded per rank."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.rng = n, np.random.default_rng(seed)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        return iter(self.rng.permutation(self.n).tolist())
+
+
+def _disagreeing(kind: str, check_order: bool) -> str:
+    rank = dist.get_rank()
+    sampler: Any = {
+        "private": lambda: PrivateRandomSampler(20, seed=rank),
+        "own generator": lambda: RandomSampler(range(20), generator=torch.Generator().manual_seed(rank)),
+        "batched private": lambda: BatchSampler(PrivateRandomSampler(20, seed=rank), 4, False),
+        "agreeing private": lambda: PrivateRandomSampler(20, seed=0),
+    }[kind]()
+    try:
+        list(DistributedSamplerWrapper(sampler, check_order=check_order))
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    return "ok"
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("private", "draws from randomness of its own"),
+        ("own generator", "holds a torch.Generator of its own that is not seeded the same on every rank"),
+        ("batched private", "different order on different ranks in epoch 0"),
+        ("agreeing private", "ok"),
+    ],
+)
+def test_disagreeing_ranks_raise_on_every_rank_with_the_fix(kind: str, message: str) -> None:
+    for result in run_parallel(_disagreeing, kind, True):
+        assert message in result
+    assert run_parallel(_disagreeing, kind, False) == ["ok", "ok"], "check_order=False trusts the sampler"
+
+
+# --- DDPSamplerWrapper (OML) ------------------------------------------------------------------------------
+
+
+def _oml(shuffle: bool, pad: bool) -> list[list[Any]]:
+    torch.manual_seed(5)  # the same on every rank, as in a seeded single-process run
+    wrapper = DDPSamplerWrapper(RandomSampler(range(9)), shuffle, pad)
+    epochs = [list(wrapper), list(wrapper)]
+    return [*epochs, [wrapper.epoch, wrapper.seed_shift_per_epoch]]
+
+
+def test_ddp_sampler_wrapper_epoch_zero_equals_the_run_without_ddp() -> None:
+    torch.manual_seed(5)
+    single = list(RandomSampler(range(9)))
+    rank0, rank1 = run_parallel(_oml, False, True)
+    interleaved = [x for pair in zip(rank0[0], rank1[0], strict=False) for x in pair] + rank0[0][len(rank1[0]) :]
+    assert interleaved[:9] == single, "epoch 0: the sampler's own order, dealt out"
+    assert rank0[2] == [1, 2]
+    assert set(rank0[1] + rank1[1]) == set(range(9)), "epoch 1: every item again, padding included"
+
+
+@pytest.mark.parametrize(("pad", "lengths"), [(True, [5, 5]), (False, [4, 4])])
+def test_ddp_sampler_wrapper_pads_or_drops(pad: bool, lengths: list[int]) -> None:
+    results = run_parallel(_oml, True, pad)
+    assert [len(r[0]) for r in results] == lengths
+    items = [i for r in results for i in r[0]]
+    assert len(set(items)) == (9 if pad else 8)
