@@ -20,6 +20,8 @@ from ddpkit.collectives import (
     sync_ddp_if_available,
     sync_dicts_ddp,
 )
+from ddpkit.comm_hooks import register_ddp_comm_hook
+from ddpkit.ddp_plugin import DDPPlugin, move_data_to_device, unwrap_model
 from ddpkit.environments import (
     ClusterEnvironment,
     ClusterSettings,
@@ -69,6 +71,7 @@ __all__ = [
     "ClusterSettings",
     "CollectiveMismatchError",
     "DDPKitError",
+    "DDPPlugin",
     "DDPSamplerWrapper",
     "DistributedSamplerWrapper",
     "KubeflowEnvironment",
@@ -98,14 +101,17 @@ __all__ = [
     "is_distributed",
     "launch",
     "merge_list_of_dicts",
+    "move_data_to_device",
     "mp_sync",
     "mp_sync_dict",
     "patch_dataloader_to_ddp",
     "rank_zero_first",
     "rank_zero_only",
+    "register_ddp_comm_hook",
     "run_script",
     "seed_everything",
     "sync_ddp",
     "sync_ddp_if_available",
     "sync_dicts_ddp",
+    "unwrap_model",
 ]
