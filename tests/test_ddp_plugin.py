@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DataParallel
 
 from ddpkit import DDPPlugin, LocalEnvironment, is_distributed, move_data_to_device, unwrap_model
@@ -238,6 +237,8 @@ def test_manual_backward_is_synchronised_with_the_plugins_hooks(find_unused: boo
 
 
 def _zero_state() -> tuple[int, int]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # its import warns about torch.jit
+
     plugin = DDPPlugin()
     model = plugin.configure_ddp(Net(), None)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)

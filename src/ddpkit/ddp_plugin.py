@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -114,6 +113,8 @@ class DDPPlugin:
         consolidated on rank 0 first (every rank must call this then), and rank 0
         gets the full state, the others ``{}``.
         """
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports torch.jit: only when needed
+
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer.consolidate_state_dict(to=0)
             return optimizer.state_dict() if get_rank() == 0 else {}
