@@ -18,10 +18,13 @@ from tests.conftest import alive
 # --- run in the workers (top level: pickled by reference) -----------------------------------
 
 
-def _report(offset: int, *, scale: int) -> dict[str, object]:
+def _report(offset: int, weights: torch.Tensor, *, scale: int) -> dict[str, object]:
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
+    weights.add_(dist.get_rank() + 1)  # each rank's own copy: nothing shared behind DDP's back
+    dist.barrier()
     return {
+        "weights": weights.tolist(),
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
         "sum": total.item() * scale + offset,
@@ -60,10 +63,19 @@ def _fail_first_attempt() -> tuple[int, bool, float]:
 def test_launch_returns_each_ranks_result_and_restores_the_caller() -> None:
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     environ = dict(os.environ)
-    results = launch(_report, 1, nprocs=2, scale=10)
+    weights = torch.zeros(2)
+    results = launch(_report, 1, weights, nprocs=2, scale=10)
     cores = len(os.sched_getaffinity(0))
+    assert weights.tolist() == [0.0, 0.0]
     assert results == {
-        rank: {"rank": rank, "world_size": 2, "sum": 31.0, "threads": max(1, cores // 2), "gloo_interface": "lo"}
+        rank: {
+            "weights": [rank + 1.0] * 2,
+            "rank": rank,
+            "world_size": 2,
+            "sum": 31.0,
+            "threads": max(1, cores // 2),
+            "gloo_interface": "lo",
+        }
         for rank in (0, 1)
     }
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers, "the agent's signal handlers are undone"

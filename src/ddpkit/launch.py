@@ -54,6 +54,8 @@ _AGENT_ENV = (
     FAILURE_DIR_VARIABLE,
 )
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+#: The pickled function and arguments, in the launch's private directory (beside the failure records).
+_PAYLOAD_FILE = "payload.pickle"
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ def launch(
 
     Args:
         fn: a function defined at module top level (it is pickled to the workers).
-        *args, **kwargs: passed to ``fn``; they must be picklable.
+        *args, **kwargs: passed to ``fn``; they must be picklable. Each worker
+            gets its own copy (tensors included: nothing is shared in memory).
         nprocs: workers per node; default the number of CUDA devices, or 1 without CUDA.
         nnodes: number of nodes; above 1, run ``launch`` on every node with the
             same ``rdzv_endpoint`` and ``run_id``.
@@ -143,10 +146,16 @@ def launch(
     )
     with _agent_scope() as failure_dir:
         spec = _WorkerSpec(fn, failure_dir, dict(kwargs), backend, timeout)
+        payload: Any = (spec, args)
         if start_method != "fork":
-            _check_picklable(spec, args)
+            # A file of plain pickle, not the objects: torch's multiprocessing pickler would move every
+            # CPU tensor into shared memory (all workers training ONE set of weights, racing), and a large
+            # payload written down each spawn pipe blocks until that child has started, one at a time.
+            payload = os.path.join(failure_dir, _PAYLOAD_FILE)
+            with open(payload, "wb") as handle:
+                handle.write(_pickled(spec, args))
         try:
-            results: dict[int, Any] = elastic_launch(config, _worker_entry)(spec, *args)
+            results: dict[int, Any] = elastic_launch(config, _worker_entry)(payload)
         except ChildFailedError as err:
             raise worker_failed_error(err, read_records(failure_dir)) from err
     return results
@@ -209,8 +218,14 @@ def run_script(
 # --- inside a worker --------------------------------------------------------------------
 
 
-def _worker_entry(spec: _WorkerSpec, *args: Any) -> Any:
-    """Entry point of every worker: group up, run ``fn``, group down."""
+def _worker_entry(payload: str | tuple[_WorkerSpec, tuple[Any, ...]]) -> Any:
+    """Entry point of every worker: group up, run ``fn`` on its own copy of the arguments, group down."""
+    spec: _WorkerSpec
+    if isinstance(payload, str):
+        with open(payload, "rb") as handle:
+            spec, args = pickle.load(handle)
+    else:
+        spec, args = payload
     parent = multiprocessing.parent_process()
     die_with_parent(parent.pid if parent is not None else None)
     _limit_threads()
@@ -264,9 +279,9 @@ def _rendezvous(nnodes: int, rdzv_endpoint: str | None, run_id: str | None) -> t
     return endpoint, run_id or ("ddpkit" if nnodes > 1 else uuid.uuid4().hex), local_addr
 
 
-def _check_picklable(spec: _WorkerSpec, args: tuple[Any, ...]) -> None:
+def _pickled(spec: _WorkerSpec, args: tuple[Any, ...]) -> bytes:
     try:
-        pickle.dumps((spec, args))
+        return pickle.dumps((spec, args))
     except Exception as exc:
         raise TypeError(
             f"launch() sends fn and its arguments to new processes with pickle, and pickling failed: {exc}. "
