@@ -115,6 +115,9 @@ def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:
         (["run", "-n", "0", "x.py"], "nprocs=0 must be an integer >= 1"),
         (["run", "--nnodes", "2", "x.py"], "needs rdzv_endpoint"),
         (["demo", "--epochs", "0"], "epochs=0"),
+        (["demo", "--nprocs", "0"], "nprocs=0 must be an integer >= 1"),
+        (["demo", "--task", "retrieval", "--batch-size", "30"], "must be a multiple of 4"),
+        (["demo", "--task", "retrieval", "--batch-size", "48"], "classes_per_batch=12 in [2, 10]"),
     ],
 )
 def test_bad_values_exit_2_with_the_reason(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

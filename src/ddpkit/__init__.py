@@ -7,6 +7,8 @@ logging handlers, no process group.
 
 from __future__ import annotations
 
+from ddpkit.callbacks import Callback, CallbacksHandler, DistributedSamplerSetEpoch
+from ddpkit.checkpoint import load_checkpoint, save_checkpoint
 from ddpkit.collectives import (
     AllGatherGrad,
     all_gather_ddp_if_available,
@@ -21,6 +23,7 @@ from ddpkit.collectives import (
     sync_dicts_ddp,
 )
 from ddpkit.comm_hooks import register_ddp_comm_hook
+from ddpkit.ddp_handler import DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin, move_data_to_device, unwrap_model
 from ddpkit.environments import (
     ClusterEnvironment,
@@ -61,18 +64,23 @@ from ddpkit.process_group import (
     seed_everything,
 )
 from ddpkit.samplers import DDPSamplerWrapper, DistributedSamplerWrapper
+from ddpkit.train_loop import TrainLoop
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllGatherGrad",
+    "Callback",
+    "CallbacksHandler",
     "ClusterEnvironment",
     "ClusterEnvironmentError",
     "ClusterSettings",
     "CollectiveMismatchError",
+    "DDPHandler",
     "DDPKitError",
     "DDPPlugin",
     "DDPSamplerWrapper",
+    "DistributedSamplerSetEpoch",
     "DistributedSamplerWrapper",
     "KubeflowEnvironment",
     "LSFEnvironment",
@@ -80,6 +88,7 @@ __all__ = [
     "MPIEnvironment",
     "SLURMEnvironment",
     "TorchElasticEnvironment",
+    "TrainLoop",
     "WarningDDP",
     "WorkerFailedError",
     "__version__",
@@ -100,6 +109,7 @@ __all__ = [
     "init_dist_connection",
     "is_distributed",
     "launch",
+    "load_checkpoint",
     "merge_list_of_dicts",
     "move_data_to_device",
     "mp_sync",
@@ -109,6 +119,7 @@ __all__ = [
     "rank_zero_only",
     "register_ddp_comm_hook",
     "run_script",
+    "save_checkpoint",
     "seed_everything",
     "sync_ddp",
     "sync_ddp_if_available",

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,13 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="train a digits classifier with DDP on CPU processes (the main job)",
-        description="Train a small classifier on the bundled UCI digits data with DistributedDataParallel.",
+        help="train on the digits with DDP on CPU processes (the main job)",
+        description="Train on the bundled UCI digits data with DistributedDataParallel, through ddpkit.TrainLoop: "
+        "a classifier (default), or an embedding for retrieval (metric learning with P x K batches, triplets "
+        "mined across ranks, precision@1).",
     )
+    demo.add_argument("--task", choices=("classification", "retrieval"), default="classification", help="what to train")
     demo.add_argument("--nprocs", type=int, default=2, help="CPU processes (default 2)")
     demo.add_argument("--epochs", type=int, default=10, help="epochs (default 10)")
-    demo.add_argument("--batch-size", type=int, default=32, help="samples per step on each process (default 32)")
-    demo.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    demo.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="samples per step on each process (default 32); retrieval: P classes x 4 samples, a multiple of 4",
+    )
+    demo.add_argument("--lr", type=float, default=None, help="SGD learning rate (default 0.1), momentum 0.9")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(handler=_demo)
@@ -133,20 +141,59 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ddpkit.examples.demo import DemoConfig, run_demo
-
     try:
-        config = DemoConfig(args.epochs, args.batch_size, args.lr, args.seed, progress=not args.no_progress)
+        if args.nprocs < 1:
+            raise ValueError(f"--nprocs {args.nprocs}: nprocs={args.nprocs} must be an integer >= 1")
+        job = _retrieval_job(args) if args.task == "retrieval" else _classification_job(args)
     except ValueError as error:
         return _fail("demo", error, status=2)
     started = time.perf_counter()
     try:
-        result = run_demo(args.nprocs, config)
+        summary = job()
     except (WorkerFailedError, ValueError) as error:
         return _fail("demo", error)
-    print(
-        f"ddpkit demo: {result.world_size} processes (gloo), {len(result.train_losses)} epochs, "
-        f"{time.perf_counter() - started:.1f} s in all; final train loss {result.train_losses[-1]:.4f}, "
-        f"validation accuracy {result.val_accuracy:.4f} ({result.val_correct}/{result.val_total})"
-    )
+    print(summary.format(seconds=time.perf_counter() - started))
     return 0
+
+
+def _classification_job(args: argparse.Namespace) -> Callable[[], str]:
+    """The checked configuration, as a job that returns its summary line (with ``{seconds}`` to fill)."""
+    from ddpkit.examples.demo import DemoConfig, run_demo
+
+    lr = 0.1 if args.lr is None else args.lr
+    config = DemoConfig(args.epochs, args.batch_size, lr, args.seed, progress=not args.no_progress)
+
+    def job() -> str:
+        result = run_demo(args.nprocs, config)
+        return (
+            f"ddpkit demo: {result.world_size} processes (gloo), {len(result.train_losses)} epochs, "
+            f"{{seconds:.1f}} s in all; final train loss {result.train_losses[-1]:.4f}, "
+            f"validation accuracy {result.val_accuracy:.4f} ({result.val_correct}/{result.val_total})"
+        )
+
+    return job
+
+
+def _retrieval_job(args: argparse.Namespace) -> Callable[[], str]:
+    from ddpkit.examples.retrieval import RetrievalConfig, run_retrieval_demo
+
+    per_class = 4
+    if args.batch_size % per_class:
+        raise ValueError(
+            f"--batch-size {args.batch_size} must be a multiple of {per_class}: retrieval batches hold P "
+            f"classes x {per_class} samples (e.g. --batch-size 32 for P=8)"
+        )
+    lr = 0.1 if args.lr is None else args.lr
+    config = RetrievalConfig(
+        args.epochs, args.batch_size // per_class, per_class, lr, seed=args.seed, progress=not args.no_progress
+    )
+
+    def job() -> str:
+        result = run_retrieval_demo(args.nprocs, config)
+        return (
+            f"ddpkit demo --task retrieval: {result.world_size} processes (gloo), {len(result.train_losses)} "
+            f"epochs, {{seconds:.1f}} s in all; final triplet loss {result.train_losses[-1]:.4f}, validation "
+            f"precision@1 {result.precision_at_1:.4f} (untrained {result.initial_precision_at_1:.4f})"
+        )
+
+    return job

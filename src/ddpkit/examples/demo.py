@@ -1,33 +1,28 @@
-"""``ddpkit demo``: a digits classifier trained with DistributedDataParallel on N CPU processes.
+"""``ddpkit demo``: a digits classifier trained with DDP on N CPU processes, through :class:`~ddpkit.TrainLoop`.
 
-What it shows: each rank trains on its shard of the training split (a
-:class:`~ddpkit.DistributedSamplerWrapper` around a ``RandomSampler``: the
-epochs advance by themselves, no ``set_epoch`` to forget), DDP averages the
-gradients, and the validation split is sharded with padding like any
-``DistributedSampler`` -- but :func:`~ddpkit.gather_in_order` puts the
-predictions back in single-process order with the padded duplicates removed,
-so the accuracy printed is exactly the single-process number.
+The training code is plain single-process PyTorch (a model, two DataLoaders, an
+optimizer); ``TrainLoop.fit_distributed`` turns it into DDP. Each rank trains on
+its shard of the training split (epochs advance by themselves, no
+``set_epoch`` to forget), DDP averages the gradients, and the validation split
+is evaluated on every sample exactly once (:func:`~ddpkit.gather_in_order`): the
+accuracy printed is the single-process number.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
-from tqdm import tqdm
+from torch.utils.data import DataLoader
 
 from ddpkit.examples.digits import digits_datasets
-from ddpkit.launch import launch
-from ddpkit.ordered import gather_in_order
-from ddpkit.process_group import get_rank, is_distributed, seed_everything
-from ddpkit.samplers import DistributedSamplerWrapper
+from ddpkit.process_group import get_world_size, seed_everything
+from ddpkit.train_loop import TrainLoop
 
-__all__ = ["DemoConfig", "DemoResult", "evaluate", "run_demo", "train_digits"]
+__all__ = ["DemoConfig", "DemoResult", "build_model", "digits_train_loop", "run_demo", "train_digits"]
 
 
 @dataclass(frozen=True)
@@ -56,14 +51,14 @@ class DemoConfig:
 
 @dataclass(frozen=True)
 class DemoResult:
-    """What the demo measured (identical on every rank).
+    """What the demo measured.
 
     Attributes:
         world_size: number of processes that trained.
         train_losses: mean training cross-entropy of each epoch, over all ranks' samples.
         val_correct: validation samples classified correctly after the last epoch.
         val_total: validation samples (each counted exactly once).
-        train_seconds: wall time of the training loop on rank 0, in seconds.
+        train_seconds: wall time of the training, in seconds.
         weights: the trained model's ``state_dict`` (to check the accuracy on one process).
     """
 
@@ -85,81 +80,43 @@ def build_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def train_digits(config: DemoConfig) -> DemoResult:
-    """Train and validate on every rank of the current process group (or alone without one).
-
-    Every rank must call it. Rank 0 prints one line per epoch.
-    """
-    rank = get_rank()
+def digits_train_loop(config: DemoConfig, checkpoint_dir: str | Path | None = None) -> TrainLoop:
+    """The demo's training, written as single-process code: model, loaders, SGD, cross-entropy."""
     train_set, val_set = digits_datasets(seed=config.seed)
     seed_everything(config.seed)
     model = build_model()
-    ddp_model: nn.Module = DistributedDataParallel(model) if is_distributed() else model
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=config.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    train_sampler = DistributedSamplerWrapper(RandomSampler(train_set), seed=config.seed)
-    loader = DataLoader(train_set, batch_size=config.batch_size, sampler=train_sampler)
-    val_sampler = DistributedSamplerWrapper(SequentialSampler(val_set))  # padded, as DistributedSampler would
-    val_loader = DataLoader(val_set, batch_size=256, sampler=val_sampler)
+    return TrainLoop(
+        model,
+        DataLoader(train_set, batch_size=config.batch_size, shuffle=True),
+        DataLoader(val_set, batch_size=256),
+        optimizer=torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9),
+        criterion=nn.CrossEntropyLoss(),
+        seed=config.seed,
+        progress=config.progress,
+        checkpoint_dir=checkpoint_dir,
+    )
 
-    losses: list[float] = []
-    correct = total = 0
+
+def train_digits(config: DemoConfig) -> DemoResult:
+    """Train on every rank of the current process group (or alone without one); every rank must call it."""
+    loop = digits_train_loop(config)
     started = time.perf_counter()
-    for epoch in range(config.epochs):
-        ddp_model.train()
-        loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of sample losses, samples)
-        bar = tqdm(
-            loader,
-            desc=f"epoch {epoch + 1}/{config.epochs}",
-            unit="batch",
-            leave=False,
-            disable=not (config.progress and rank == 0),
-        )
-        for images, labels in bar:
-            optimizer.zero_grad()
-            loss = loss_fn(ddp_model(images), labels)
-            loss.backward()
-            optimizer.step()
-            loss_sum += torch.tensor([loss.item() * len(labels), len(labels)], dtype=torch.float64)
-        correct, total = evaluate(model, val_loader, val_sampler)
-        _sum_over_ranks(loss_sum)
-        losses.append(float(loss_sum[0] / loss_sum[1]))
-        if rank == 0:
-            tqdm.write(
-                f"epoch {epoch + 1:>2}/{config.epochs}  train loss {losses[-1]:.4f}  "
-                f"validation accuracy {correct / total:.4f} ({correct}/{total})"
-            )
-    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    elapsed = time.perf_counter() - started
-    return DemoResult(val_sampler.num_replicas, tuple(losses), correct, total, elapsed, weights)
-
-
-def evaluate(
-    model: nn.Module, loader: DataLoader[tuple[torch.Tensor, ...]], sampler: DistributedSamplerWrapper
-) -> tuple[int, int]:
-    """(correct, total) over the whole validation split, each sample counted exactly once.
-
-    Every rank predicts its (padded) shard; one :func:`~ddpkit.gather_in_order`
-    brings ``(prediction, label)`` pairs back in single-process order, duplicates
-    removed. Every rank must call it.
-    """
-    model.eval()
-    rows = []
-    with torch.no_grad():
-        for images, labels in loader:
-            rows.append(torch.stack([model(images).argmax(dim=1), labels], dim=1))
-    local = torch.cat(rows) if rows else torch.empty(0, 2, dtype=torch.int64)
-    pairs = gather_in_order(local, sampler)
-    return int((pairs[:, 0] == pairs[:, 1]).sum()), len(pairs)
+    history = loop.fit(config.epochs)
+    return _result(loop, history, get_world_size(), time.perf_counter() - started)
 
 
 def run_demo(nprocs: int = 2, config: DemoConfig | None = None) -> DemoResult:
-    """Run :func:`train_digits` on ``nprocs`` new CPU processes (gloo on loopback); rank 0's result."""
-    results = launch(train_digits, config or DemoConfig(), nprocs=nprocs, backend="gloo")
-    result: DemoResult = results[0]
-    return result
+    """Train on ``nprocs`` new CPU processes (gloo on loopback) with ``TrainLoop.fit_distributed``."""
+    config = config or DemoConfig()
+    loop = digits_train_loop(config)
+    started = time.perf_counter()
+    history = loop.fit_distributed(config.epochs, num_processes=nprocs, backend="gloo")
+    return _result(loop, history, nprocs, time.perf_counter() - started)
 
 
-def _sum_over_ranks(tensor: torch.Tensor) -> None:
-    if is_distributed():
-        dist.all_reduce(tensor)
+def _result(loop: TrainLoop, history: dict[str, list[float]], world_size: int, seconds: float) -> DemoResult:
+    assert loop.validation_loader is not None
+    total = len(loop.validation_loader.dataset)  # type: ignore[arg-type]
+    correct = round(history["validation_accuracy"][-1] * total)
+    weights = {name: tensor.detach().clone() for name, tensor in loop.model.state_dict().items()}
+    return DemoResult(world_size, tuple(history["train_loss"]), correct, total, seconds, weights)

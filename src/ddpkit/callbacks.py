@@ -1,0 +1,97 @@
+"""Training-loop callbacks (layer 6): ``Callback``, ``CallbacksHandler``, ``DistributedSamplerSetEpoch``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DistributedSampler
+
+__all__ = ["Callback", "CallbacksHandler", "DistributedSamplerSetEpoch", "Event"]
+
+Event = Literal["on_train_begin", "on_epoch_begin", "on_batch_end", "on_epoch_end", "on_train_end"]
+
+
+class Callback:
+    """Hooks into :class:`~ddpkit.TrainLoop`; override the events you need (each gets the train loop).
+
+    ``on_batch_end`` runs after each optimizer step. Callbacks run on every rank;
+    use :func:`~ddpkit.rank_zero_only` for work that one rank should do.
+    """
+
+    def on_train_begin(self, train_loop: Any) -> None:
+        """Before the first epoch (after a checkpoint, if any, was loaded)."""
+
+    def on_epoch_begin(self, train_loop: Any) -> None:
+        """At the start of each epoch, before the first batch (``train_loop.epoch`` is set)."""
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        """After each optimizer step (``train_loop.global_step`` counts them)."""
+
+    def on_epoch_end(self, train_loop: Any) -> None:
+        """After each epoch's training and validation (``train_loop.history`` holds its numbers)."""
+
+    def on_train_end(self, train_loop: Any) -> None:
+        """After the last epoch."""
+
+
+class CallbacksHandler:
+    """The callbacks of one train loop (aitoolbox's ``callbacks_handler``)."""
+
+    def __init__(self, train_loop: Any) -> None:
+        self.train_loop = train_loop
+        self.callbacks: list[Callback] = []
+
+    def register_callbacks(self, callbacks: Iterable[Callback] | Callback | None) -> None:
+        """Add callbacks; they run in the order they were registered.
+
+        Raises:
+            TypeError: something that is not a :class:`Callback`.
+        """
+        if callbacks is None:
+            return
+        items = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        for callback in items:
+            if not isinstance(callback, Callback):
+                raise TypeError(f"callbacks must be ddpkit.Callback instances, got {type(callback).__name__}")
+        self.callbacks.extend(items)
+
+    def execute(self, event: Event) -> None:
+        """Run ``event`` on every callback."""
+        for callback in self.callbacks:
+            getattr(callback, event)(self.train_loop)
+
+
+class DistributedSamplerSetEpoch(Callback):
+    """Keep the distributed samplers' epochs right: ``set_epoch(train_loop.epoch)`` at each epoch start.
+
+    Name and arguments from aitoolbox (seed 000's ``add_distributed_samplers``
+    registers it). ddpkit's samplers advance by themselves too, but an explicit
+    epoch also makes a resumed run reproduce the epoch it stopped in.
+
+    Args:
+        train_sampler, validation_sampler, test_sampler: the samplers (``None`` to skip).
+        generators: the loaders' own generators, reseeded with ``seed + epoch`` each
+            epoch so that starting a loader's iterator never draws from the
+            global RNG and depends on the epoch only.
+        seed: the base seed for ``generators``.
+    """
+
+    def __init__(
+        self,
+        train_sampler: DistributedSampler[Any] | None,
+        validation_sampler: DistributedSampler[Any] | None = None,
+        test_sampler: DistributedSampler[Any] | None = None,
+        generators: Iterable[torch.Generator] = (),
+        seed: int = 0,
+    ) -> None:
+        self.samplers = [s for s in (train_sampler, validation_sampler, test_sampler) if s is not None]
+        self.generators = list(generators)
+        self.seed = seed
+
+    def on_epoch_begin(self, train_loop: Any) -> None:
+        for sampler in self.samplers:
+            sampler.set_epoch(train_loop.epoch)
+        for generator in self.generators:
+            generator.manual_seed(self.seed + train_loop.epoch)

@@ -1,0 +1,107 @@
+"""Atomic checkpoints and RNG state (layer 6).
+
+A checkpoint is written to a temporary file in the same directory, flushed,
+``fsync``-ed, then renamed over the previous one (``os.replace`` is atomic), and
+the directory is ``fsync``-ed: a write interrupted at any point leaves the
+previous checkpoint whole. Checkpoints load with ``torch.load(...,
+weights_only=True)``: RNG states are stored as tensors, ints and strings, so
+nothing needs unpickling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["CHECKPOINT_FILE", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
+
+#: The file name of the latest checkpoint in a checkpoint directory.
+CHECKPOINT_FILE = "last.pt"
+_TEMPORARY_SUFFIX = ".tmp"
+
+
+def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write ``state`` to ``path`` atomically (temporary file, flush, fsync, rename, fsync of the directory).
+
+    Call it from one process per ``path`` (:class:`~ddpkit.TrainLoop` writes on
+    rank 0 only). The temporary file is ``.<name>.<random>.tmp`` beside ``path``;
+    ones left by a writer that was killed are removed after the next successful write.
+
+    Raises:
+        OSError: the directory cannot be created or written; ``path`` is untouched.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{target.name}."
+    descriptor, temporary = tempfile.mkstemp(prefix=prefix, suffix=_TEMPORARY_SUFFIX, dir=target.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    _fsync_directory(target.parent)
+    for stale in target.parent.glob(f"{glob.escape(prefix)}*{_TEMPORARY_SUFFIX}"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no arbitrary unpickling).
+
+    Raises:
+        FileNotFoundError: there is no checkpoint at ``path``.
+    """
+    state: dict[str, Any] = torch.load(path, map_location=map_location, weights_only=True)
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generator states: torch (CPU and each CUDA device), numpy, Python."""
+    kind, keys, position, has_gauss, cached = np.random.get_state(legacy=True)
+    version, internal, gauss = random.getstate()
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": [torch.cuda.get_rng_state(i) for i in range(devices)],
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(position), int(has_gauss), cached],
+        "python": [version, list(internal), gauss],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned (CUDA states only for devices that exist)."""
+    torch.set_rng_state(state["torch"].cpu())
+    for index, cuda_state in enumerate(state.get("cuda", [])):
+        if index < torch.cuda.device_count():
+            torch.cuda.set_rng_state(cuda_state.cpu(), index)
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable (where the platform allows opening a directory)."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)

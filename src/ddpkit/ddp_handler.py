@@ -1,0 +1,104 @@
+"""``DDPHandler``: the DDP part of a train loop (layer 6; seed 000, aitoolbox)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from ddpkit.callbacks import DistributedSamplerSetEpoch
+from ddpkit.collectives import mp_sync, mp_sync_dict
+from ddpkit.loaders import build_loader_sampler
+
+__all__ = ["LOADER_ATTRIBUTES", "DDPHandler"]
+
+#: The train loop's loaders that ``add_distributed_samplers`` shards, and whether each is for evaluation.
+LOADER_ATTRIBUTES = (("train_loader", False), ("validation_loader", True), ("test_loader", True))
+
+
+class DDPHandler:
+    """Distributed Data Parallel process handler for the TrainLoop (seed 000).
+
+    Args:
+        train_loop_obj: the encapsulating train loop; it has ``train_loader``,
+            ``validation_loader``, ``test_loader`` (any may be ``None``),
+            ``callbacks_handler`` and optionally ``seed``.
+    """
+
+    def __init__(self, train_loop_obj: Any) -> None:
+        self.train_loop_obj = train_loop_obj
+        #: The distributed sampler of each sharded loader, by attribute name.
+        self.samplers: dict[str, DistributedSampler[Any]] = {}
+        #: The set-epoch callback ``add_distributed_samplers`` registered.
+        self.callback: DistributedSamplerSetEpoch | None = None
+
+    def add_distributed_samplers(self, world_size: int, rank: int) -> None:
+        """Shard the train loop's loaders for DDP and keep their epochs right (seed 000).
+
+        Unlike aitoolbox (which printed a warning for anything but the stock
+        samplers), custom samplers and batch samplers are sharded too, and every
+        ``DataLoader`` argument is kept (:func:`~ddpkit.build_loader_sampler`). The
+        training loader is padded so all ranks take the same number of steps; the
+        validation and test loaders are left uneven (no duplicates), which
+        :func:`~ddpkit.gather_in_order` turns into exact metrics. A loader with a
+        ``RandomSampler`` is shuffled with ``seed + epoch``. Loaders that are
+        already sharded are kept. Registers a :class:`~ddpkit.DistributedSamplerSetEpoch`.
+
+        Args:
+            world_size: world size of the distributed training.
+            rank: rank of the current process.
+        """
+        loop = self.train_loop_obj
+        seed = int(getattr(loop, "seed", 0))
+        generators = []
+        for name, for_evaluation in LOADER_ATTRIBUTES:
+            loader = getattr(loop, name, None)
+            if loader is None:
+                continue
+            existing = _distributed_sampler(loader)
+            if existing is not None:
+                self.samplers[name] = existing
+                continue
+            shuffle = isinstance(loader.sampler, RandomSampler)
+            rebuilt, sampler = build_loader_sampler(loader, shuffle, world_size, rank, even_shards=not for_evaluation)
+            sampler.seed = seed
+            if rebuilt.generator is None:
+                # Starting an iterator draws a seed from the loader's generator, or else from the global
+                # RNG: give it its own, so a resumed run draws exactly what the uninterrupted run drew.
+                rebuilt.generator = torch.Generator()
+                generators.append(rebuilt.generator)
+            setattr(loop, name, rebuilt)
+            self.samplers[name] = sampler
+        self.callback = DistributedSamplerSetEpoch(
+            self.samplers.get("train_loader"),
+            self.samplers.get("validation_loader"),
+            self.samplers.get("test_loader"),
+            generators=generators,
+            seed=seed,
+        )
+        loop.callbacks_handler.register_callbacks(self.callback)
+
+    build_loader_sampler = staticmethod(build_loader_sampler)
+
+    def mp_sync(
+        self,
+        data: torch.Tensor | np.ndarray | list[Any] | float | int | bool,
+        double_precision: bool = False,
+        concat_mp_data: bool = True,
+        return_tensor: bool = True,
+    ) -> Any:
+        """Multiprocess data sync (seed 000): :func:`ddpkit.mp_sync`; a tensor's device is preserved."""
+        return mp_sync(data, double_precision, concat_mp_data, return_tensor)
+
+    def mp_sync_dict(self, dict_data: dict[Any, Any]) -> dict[Any, Any]:
+        """Multiprocess sync of a dict (seed 000): :func:`ddpkit.mp_sync_dict`, one exchange for all keys."""
+        return mp_sync_dict(dict_data)
+
+
+def _distributed_sampler(loader: DataLoader[Any]) -> DistributedSampler[Any] | None:
+    for candidate in (loader.batch_sampler, loader.sampler):
+        if isinstance(candidate, DistributedSampler):
+            return candidate
+    return None

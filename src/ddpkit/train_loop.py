@@ -1,0 +1,429 @@
+"""``TrainLoop``: single-process training that becomes DDP by changing one call (layer 6; seed 000).
+
+``fit`` trains in this process (as DDP when a process group exists);
+``fit_distributed`` launches ``num_processes`` workers that each run ``fit``.
+The same code path serves both: loaders are sharded by :class:`~ddpkit.DDPHandler`
+(over one rank when alone), so the data order is the same either way, and W
+ranks with batch B step through exactly the batches of one process with batch
+W x B. Validation metrics are computed on every sample exactly once
+(:func:`~ddpkit.gather_in_order`), so they equal the single-process numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from ddpkit.callbacks import Callback, CallbacksHandler
+from ddpkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ddpkit.collectives import all_gather_object, sync_ddp
+from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
+from ddpkit.ddp_plugin import DDPPlugin, move_data_to_device
+from ddpkit.launch import launch
+from ddpkit.loaders import build_loader_sampler
+from ddpkit.ordered import gather_in_order
+from ddpkit.process_group import barrier, get_local_rank, get_rank, get_world_size, is_distributed
+from ddpkit.samplers import DistributedSamplerWrapper
+
+__all__ = ["TrainLoop"]
+
+log = logging.getLogger(__name__)
+
+_CHECKPOINT_VERSION = 1
+
+
+class TrainLoop:
+    """Train, validate and test a model, in one process or as DDP (seed 000's ``TrainLoop``).
+
+    Args:
+        model: the ``nn.Module``.
+        train_loader: training data; its sampler (or batch sampler) is sharded across ranks.
+        validation_loader: evaluated after each epoch (optional).
+        test_loader: for :meth:`evaluate` (optional).
+        optimizer: default ``torch.optim.Adam(model.parameters())``.
+        criterion: the loss; default ``nn.CrossEntropyLoss()``.
+        device: default ``cuda:<local rank>`` when CUDA is available, else CPU.
+        plugin: the :class:`~ddpkit.DDPPlugin` that wraps the model (default ``DDPPlugin()``).
+        checkpoint_dir: where to write checkpoints (``last.pt``, atomically) and
+            resume from: a run started with a directory that holds one continues at
+            the exact batch, with model, optimizer, sampler epochs and every rank's
+            RNG state restored.
+        checkpoint_every: also checkpoint every this many optimizer steps (besides
+            each epoch's end).
+        seed: seeds the data order (``seed + epoch``).
+        progress: show a progress bar on rank 0.
+
+    Attributes the seed relies on: ``train_loader``, ``validation_loader``,
+    ``test_loader``, ``device``, ``callbacks_handler`` (``register_callbacks``),
+    ``ddp_handler`` (a :class:`~ddpkit.DDPHandler` once :meth:`fit` has set up).
+
+    Override :meth:`training_step`, :meth:`predict_step`, :meth:`compute_metrics`
+    or :meth:`batch_to_device` for batches that are not ``(inputs, targets)``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_loader: DataLoader[Any],
+        validation_loader: DataLoader[Any] | None = None,
+        test_loader: DataLoader[Any] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: nn.Module | None = None,
+        *,
+        device: torch.device | str | None = None,
+        plugin: DDPPlugin | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
+        self.model = model
+        self.train_loader = train_loader
+        self.validation_loader = validation_loader
+        self.test_loader = test_loader
+        self.optimizer = optimizer if optimizer is not None else torch.optim.Adam(model.parameters())
+        self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.plugin = plugin if plugin is not None else DDPPlugin()
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.seed = seed
+        self.progress = progress
+        self.callbacks_handler = CallbacksHandler(self)
+        self.ddp_handler: DDPHandler | None = None
+        self.ddp_model: nn.Module | None = None
+        #: The epoch being trained (0-based), and optimizer steps taken in all.
+        self.epoch = 0
+        self.global_step = 0
+        #: Per-epoch numbers: ``train_loss`` and ``validation_<metric>``.
+        self.history: dict[str, list[float]] = defaultdict(list)
+        self._resume_batch = 0
+        #: This rank's (sum of sample losses, samples) in the current epoch; a resumed epoch starts from
+        #: the checkpoint's (all ranks') partial sums on rank 0, so its train loss is the uninterrupted one.
+        self._epoch_sums = torch.zeros(2, dtype=torch.float64)
+        self._original_loaders = {name: getattr(self, name) for name, _ in LOADER_ATTRIBUTES}
+
+    # --- the steps to override --------------------------------------------------------------------
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """Move a batch to :attr:`device` (nested tensors; see :func:`~ddpkit.move_data_to_device`)."""
+        return move_data_to_device(batch, self.device)
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss of one batch (a scalar tensor); ``model`` is the DDP-wrapped model.
+
+        Default: ``criterion(model(inputs), targets)`` for a batch ``(inputs, targets)``.
+        """
+        inputs, targets = batch
+        loss: torch.Tensor = self.criterion(model(inputs), targets)
+        return loss
+
+    def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(predictions, targets)`` of one batch, one row per sample. Default: ``(model(inputs), targets)``."""
+        inputs, targets = batch
+        return model(inputs), targets
+
+    def compute_metrics(self, predictions: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        """Metrics from the predictions and targets of a whole split, in order (the same on every rank).
+
+        Default: ``loss`` (the criterion), and ``accuracy`` for class scores ``(N, C)``
+        with integer targets ``(N,)``.
+        """
+        metrics = {"loss": float(self.criterion(predictions, targets))}
+        if predictions.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
+            metrics["accuracy"] = float((predictions.argmax(dim=1) == targets).double().mean())
+        return metrics
+
+    # --- training ----------------------------------------------------------------------------------
+
+    def fit(
+        self, num_epochs: int, grad_accumulation: int = 1, callbacks: list[Callback] | None = None
+    ) -> dict[str, list[float]]:
+        """Train for ``num_epochs`` epochs (in all, counting those a checkpoint already holds).
+
+        With a process group (e.g. inside :meth:`fit_distributed` or under
+        ``ddpkit run``) every rank must call it: the model is wrapped in DDP and
+        the loaders are sharded; without one it trains in this process.
+
+        Args:
+            num_epochs: the epoch to stop after.
+            grad_accumulation: batches per optimizer step; the loss of each is
+                divided by it, and the non-final ones skip DDP's all-reduce.
+            callbacks: :class:`~ddpkit.Callback` instances to add.
+
+        Returns:
+            :attr:`history`: per epoch, ``train_loss`` (mean over all ranks' samples)
+            and the validation metrics.
+
+        Raises:
+            ValueError: ``num_epochs < 1`` or ``grad_accumulation < 1``.
+        """
+        if num_epochs < 1 or grad_accumulation < 1:
+            raise ValueError(f"num_epochs={num_epochs} and grad_accumulation={grad_accumulation} must be >= 1")
+        self.callbacks_handler.register_callbacks(callbacks)
+        model = self._setup()
+        self._resume()
+        self.callbacks_handler.execute("on_train_begin")
+        while self.epoch < num_epochs:
+            self.callbacks_handler.execute("on_epoch_begin")
+            loss = self._train_epoch(model, grad_accumulation, num_epochs)
+            self.history["train_loss"].append(loss)
+            metrics = self.evaluate(self.validation_loader) if self.validation_loader is not None else {}
+            for name, value in metrics.items():
+                self.history[f"validation_{name}"].append(value)
+            self._report(num_epochs, loss, metrics)
+            self.callbacks_handler.execute("on_epoch_end")
+            self.epoch += 1
+            if self.checkpoint_dir is not None:
+                self._save_checkpoint(batch=0)
+        self.callbacks_handler.execute("on_train_end")
+        return dict(self.history)
+
+    def fit_distributed(
+        self,
+        num_epochs: int,
+        num_processes: int = 2,
+        grad_accumulation: int = 1,
+        callbacks: list[Callback] | None = None,
+        *,
+        backend: str | None = None,
+        max_restarts: int = 0,
+        timeout: float | None = None,
+    ) -> dict[str, list[float]]:
+        """Run :meth:`fit` on ``num_processes`` new processes (through :func:`~ddpkit.launch`).
+
+        The train loop (model, loaders, optimizer, callbacks) is pickled to every
+        worker. Afterwards this process's :attr:`model` holds the trained weights
+        and :attr:`history` rank 0's history. With ``max_restarts`` and a
+        ``checkpoint_dir``, restarted workers resume from the last checkpoint.
+        Call it under ``if __name__ == "__main__":``.
+
+        Raises:
+            WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
+        """
+        results = launch(
+            _fit_worker, self, num_epochs, grad_accumulation, callbacks,
+            nprocs=num_processes, backend=backend, max_restarts=max_restarts, timeout=timeout,
+        )  # fmt: skip
+        history: dict[str, list[float]]
+        history, weights = results[min(results)]
+        if weights is not None:  # this node ran rank 0
+            self.model.load_state_dict(weights)
+        self.history = defaultdict(list, history)
+        self.epoch = num_epochs
+        return history
+
+    def evaluate(self, loader: DataLoader[Any] | None = None) -> dict[str, float]:
+        """Metrics of ``loader`` (default the validation loader), computed on every sample exactly once.
+
+        Each rank predicts its shard; :func:`~ddpkit.gather_in_order` brings the
+        predictions and targets back in single-process order, without duplicates,
+        and :meth:`compute_metrics` sees the whole split: the result equals a
+        single-process evaluation and is the same on every rank (which must all call it).
+
+        Raises:
+            ValueError: no loader given and no validation loader.
+        """
+        if loader is None:
+            loader = self.validation_loader
+        if loader is None:
+            raise ValueError("evaluate() needs a loader: pass one or give the TrainLoop a validation_loader")
+        loader, sampler = self._sharded(loader)
+        self.model.to(self.device)
+        was_training = self.model.training
+        self.model.eval()
+        predictions: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        with torch.no_grad():
+            for batch in loader:
+                output, target = self.predict_step(self.model, self.batch_to_device(batch))
+                predictions.append(output.detach())
+                targets.append(target.detach())
+            if not predictions:  # an empty shard still needs the right shapes
+                output, target = self.predict_step(self.model, self.batch_to_device(_first_batch(loader)))
+                predictions, targets = [output[:0]], [target[:0]]
+        self.model.train(was_training)
+        all_predictions = gather_in_order(torch.cat(predictions), sampler)
+        all_targets = gather_in_order(torch.cat(targets), sampler)
+        return self.compute_metrics(all_predictions, all_targets)
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _setup(self) -> nn.Module:
+        """Place the model, shard the loaders, wrap in DDP (once)."""
+        self.model.to(self.device)
+        if self.ddp_handler is None:
+            self.ddp_handler = DDPHandler(self)
+            self.ddp_handler.add_distributed_samplers(get_world_size(), get_rank())
+        if self.ddp_model is None:
+            if is_distributed():
+                device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
+                self.ddp_model = self.plugin.configure_ddp(self.model, device_ids)
+            else:
+                self.ddp_model = self.model
+            self.plugin.on_after_setup_optimizers(self)
+        return self.ddp_model
+
+    def _reset_distributed(self) -> None:
+        """Forget the sharding and the DDP wrapper (a worker of :meth:`fit_distributed` sets up anew)."""
+        for name, loader in self._original_loaders.items():
+            setattr(self, name, loader)
+        if self.ddp_handler is not None and self.ddp_handler.callback is not None:
+            self.callbacks_handler.callbacks.remove(self.ddp_handler.callback)
+        self.ddp_handler = None
+        self.ddp_model = None
+
+    def _sharded(self, loader: DataLoader[Any]) -> tuple[DataLoader[Any], DistributedSampler[Any]]:
+        for candidate in (loader.batch_sampler, loader.sampler):
+            if isinstance(candidate, DistributedSampler):
+                return loader, candidate
+        rebuilt, sampler = build_loader_sampler(loader, False, get_world_size(), get_rank(), even_shards=False)
+        return rebuilt, sampler
+
+    def _train_epoch(self, model: nn.Module, accumulation: int, num_epochs: int) -> float:
+        model.train()
+        start, self._resume_batch = self._resume_batch, 0
+        if start:
+            self._train_sampler().set_start(start * self._entries_per_batch())
+        loader = self.train_loader
+        total_batches = start + len(loader)
+        if not start:
+            self._epoch_sums = torch.zeros(2, dtype=torch.float64)
+        bar = tqdm(
+            loader, total=total_batches, initial=start, unit="batch", leave=False,
+            desc=f"epoch {self.epoch + 1}/{num_epochs}", disable=not (self.progress and get_rank() == 0),
+        )  # fmt: skip
+        for index, batch in enumerate(bar, start=start):
+            batch = self.batch_to_device(batch)
+            steps = (index + 1) % accumulation == 0 or index + 1 == total_batches
+            blocking = contextlib.nullcontext() if steps else self.plugin.block_backward_sync(model)
+            with blocking:  # forward and backward inside: DDP decides at the forward whether to sync
+                loss = self.training_step(model, batch)
+                (loss / accumulation).backward()  # type: ignore[no-untyped-call]
+            count = _batch_size(batch)
+            self._epoch_sums += torch.tensor([float(loss.detach()) * count, count], dtype=torch.float64)
+            if steps:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.global_step += 1
+                self.callbacks_handler.execute("on_batch_end")
+                if (
+                    self.checkpoint_every
+                    and self.checkpoint_dir is not None
+                    and self.global_step % self.checkpoint_every == 0
+                ):
+                    self._save_checkpoint(batch=index + 1)
+        summed = sync_ddp(self._epoch_sums)
+        return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
+
+    def _train_sampler(self) -> DistributedSamplerWrapper:
+        sampler = self.ddp_handler.samplers.get("train_loader") if self.ddp_handler is not None else None
+        if not isinstance(sampler, DistributedSamplerWrapper):
+            raise TypeError(
+                f"resuming part-way through an epoch needs ddpkit's DistributedSamplerWrapper; the training loader "
+                f"has a {type(sampler).__name__}"
+            )
+        return sampler
+
+    def _entries_per_batch(self) -> int:
+        """Sampler entries per loader batch: 1 for a batch sampler, the batch size for an item sampler."""
+        loader = self.train_loader
+        if isinstance(loader.batch_sampler, DistributedSampler) or loader.batch_size is None:
+            return 1
+        return int(loader.batch_size)
+
+    def _report(self, num_epochs: int, loss: float, metrics: dict[str, float]) -> None:
+        if get_rank() != 0:
+            return
+        parts = [f"epoch {self.epoch + 1:>2}/{num_epochs}", f"train loss {loss:.4f}"]
+        parts += [f"validation {name} {value:.4f}" for name, value in metrics.items()]
+        tqdm.write("  ".join(parts))
+        log.info("  ".join(parts))
+
+    def _save_checkpoint(self, batch: int) -> None:
+        """Every rank sends its RNG state; rank 0 writes the checkpoint atomically."""
+        assert self.checkpoint_dir is not None
+        rngs = all_gather_object(rng_state())
+        epoch_sums = sync_ddp(self._epoch_sums) if batch else torch.zeros(2, dtype=torch.float64)
+        optimizer_state = self.plugin.optimizer_state(self.optimizer)
+        if get_rank() == 0:
+            state = {
+                "version": _CHECKPOINT_VERSION,
+                "model": self.model.state_dict(),
+                "optimizer": optimizer_state,
+                "epoch": self.epoch,
+                "batch": batch,
+                "epoch_sums": epoch_sums,
+                "global_step": self.global_step,
+                "seed": self.seed,
+                "world_size": get_world_size(),
+                "rng": rngs,
+                "history": {name: list(values) for name, values in self.history.items()},
+            }
+            save_checkpoint(state, self.checkpoint_dir / CHECKPOINT_FILE)
+        barrier()
+
+    def _resume(self) -> None:
+        """Load the checkpoint in ``checkpoint_dir``, if there is one, on every rank."""
+        if self.checkpoint_dir is None or not (self.checkpoint_dir / CHECKPOINT_FILE).exists():
+            return
+        state = load_checkpoint(self.checkpoint_dir / CHECKPOINT_FILE, map_location=self.device)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.epoch, self._resume_batch, self.global_step = state["epoch"], state["batch"], state["global_step"]
+        self.history = defaultdict(list, state["history"])
+        first = get_rank() == 0 and self._resume_batch > 0
+        self._epoch_sums = state["epoch_sums"].cpu() if first else torch.zeros(2, dtype=torch.float64)
+        saved_world, rank = state["world_size"], get_rank()
+        if saved_world != get_world_size():
+            warnings.warn(
+                f"resuming a checkpoint of {saved_world} ranks on {get_world_size()}: the run continues, but the "
+                "data order and random numbers differ from an uninterrupted run",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        set_rng_state(state["rng"][rank % len(state["rng"])])
+        log.info("resumed from %s: epoch %d, batch %d", self.checkpoint_dir, self.epoch, self._resume_batch)
+
+
+def _fit_worker(
+    loop: TrainLoop, num_epochs: int, grad_accumulation: int, callbacks: list[Callback] | None
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor] | None]:
+    loop._reset_distributed()
+    history = loop.fit(num_epochs, grad_accumulation, callbacks)
+    weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if get_rank() == 0 else None
+    return history, weights
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _batch_size(batch: Any) -> int:
+    """Samples in a batch: the length of its first tensor (1 when it holds none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        return next((_batch_size(v) for v in batch.values()), 1)
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    return 1
+
+
+def _first_batch(loader: DataLoader[Any]) -> Any:
+    """One sample of the loader's dataset, collated as a batch (for the shapes of an empty shard)."""
+    collate = loader.collate_fn
+    return collate([loader.dataset[0]])

@@ -1,0 +1,144 @@
+"""Atomic checkpoints: a write interrupted at any point leaves the previous checkpoint loadable."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ddpkit import checkpoint
+from ddpkit.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"step": step, "weights": torch.full((5000,), float(step)), "nested": {"names": ["a", "b"]}}
+
+
+def _assert_whole(path: Path, step: int) -> None:
+    loaded = load_checkpoint(path)
+    assert loaded["step"] == step
+    assert torch.equal(loaded["weights"], torch.full((5000,), float(step)))
+    assert loaded["nested"] == {"names": ["a", "b"]}
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name != "last.pt")
+
+
+def _serialised_size() -> int:
+    buffer = io.BytesIO()
+    torch.save(_state(2), buffer)
+    return len(buffer.getvalue())
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.5, 0.999])
+def test_a_write_cut_off_after_any_number_of_bytes_leaves_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fraction: float
+) -> None:
+    path = tmp_path / "last.pt"
+    save_checkpoint(_state(1), path)
+    cut = int(_serialised_size() * fraction)
+    real_save = torch.save
+
+    def partial_save(obj: object, handle: io.BufferedWriter) -> None:
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        handle.write(buffer.getvalue()[:cut])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", partial_save)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(_state(2), path)
+    _assert_whole(path, 1)
+    assert _leftovers(tmp_path) == [], "the temporary file is removed"
+
+
+@pytest.mark.parametrize("stage", ["fsync", "replace"])
+def test_a_failing_fsync_or_rename_leaves_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    path = tmp_path / "last.pt"
+    save_checkpoint(_state(1), path)
+
+    def fail(*args: object) -> None:
+        raise OSError(5, f"Input/output error in {stage}")
+
+    monkeypatch.setattr(checkpoint.os, stage, fail)
+    with pytest.raises(OSError, match=stage):
+        save_checkpoint(_state(2), path)
+    monkeypatch.undo()
+    _assert_whole(path, 1)
+    assert _leftovers(tmp_path) == []
+    save_checkpoint(_state(3), path)
+    _assert_whole(path, 3)
+
+
+_WRITER = """
+import sys, torch
+from ddpkit.checkpoint import save_checkpoint
+step = 0
+while True:
+    step += 1
+    save_checkpoint({"step": step, "weights": torch.full((2_000_000,), float(step))}, sys.argv[1])
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_writer_killed_at_random_moments_always_leaves_a_whole_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL, the real interruption: no exception handler runs, the temporary file stays behind."""
+    path = tmp_path / "last.pt"
+    chooser = random.Random(0)
+    steps = []
+    for _ in range(4):
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)])
+        deadline = time.monotonic() + 60
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(chooser.uniform(0.05, 0.5))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        loaded = load_checkpoint(path)
+        assert torch.equal(loaded["weights"], torch.full((2_000_000,), float(loaded["step"])))
+        steps.append(loaded["step"])
+    assert all(step >= 1 for step in steps)
+    save_checkpoint(_state(9), path)
+    assert _leftovers(tmp_path) == [], "a successful write removes what killed writers left"
+
+
+class _Custom:
+    pass
+
+
+def test_loading_never_unpickles_arbitrary_objects(tmp_path: Path) -> None:
+    save_checkpoint({"object": _Custom()}, tmp_path / "bad.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        load_checkpoint(tmp_path / "bad.pt")
+
+
+def test_rng_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    np.random.seed(5)
+    random.seed(5)
+    np.random.standard_normal()  # a cached Gaussian in numpy's state
+    save_checkpoint({"rng": rng_state()}, tmp_path / "rng.pt")
+    expected = (torch.rand(3), np.random.standard_normal(3), random.random())
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    set_rng_state(load_checkpoint(tmp_path / "rng.pt")["rng"])
+    again = (torch.rand(3), np.random.standard_normal(3), random.random())
+    assert torch.equal(again[0], expected[0])
+    assert np.array_equal(again[1], expected[1])
+    assert again[2] == expected[2]
+    assert os.listdir(tmp_path) == ["rng.pt"]
