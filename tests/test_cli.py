@@ -102,7 +102,7 @@ def test_env_reports_bad_variables_and_fails(
     assert "DDPKIT_CLUSTER_ENV='nowhere' is not an environment" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [[], ["run"], ["demo", "--epochs", "many"]])
+@pytest.mark.parametrize("argv", [[], ["demo", "--epochs", "many"], ["doctor", "--peer-timeout", "soon"]])
 def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main(argv)
@@ -114,6 +114,8 @@ def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:
     [
         (["run", "-n", "0", "x.py"], "nprocs=0 must be an integer >= 1"),
         (["run", "--nnodes", "2", "x.py"], "needs rdzv_endpoint"),
+        (["run"], "SCRIPT is required (or --doctor)"),
+        (["doctor", "-n", "0"], "nprocs=0 must be an integer >= 1"),
         (["demo", "--epochs", "0"], "epochs=0"),
         (["demo", "--nprocs", "0"], "nprocs=0 must be an integer >= 1"),
         (["demo", "--task", "retrieval", "--batch-size", "30"], "must be a multiple of 4"),

@@ -147,6 +147,12 @@ def test_slurm_uses_the_older_nodelist_variable_when_the_newer_is_absent() -> No
     assert SLURMEnvironment({**env, "SLURM_NODELIST": "a,b"}).master_address() == "a"
 
 
+def test_slurm_finds_the_node_without_slurm_nodeid() -> None:
+    env = {k: v for k, v in SLURM.items() if k != "SLURM_NODEID"}
+    assert SLURMEnvironment({**env, "SLURMD_NODENAME": "gpu004"}).node_rank() == 1
+    assert SLURMEnvironment({**env, "SLURM_JOB_NODELIST": "gpu003"}).node_rank() == 0
+
+
 def test_slurm_is_not_detected_in_an_interactive_allocation() -> None:
     assert SLURMEnvironment.detect(SLURM)
     assert not SLURMEnvironment.detect({**SLURM, "SLURM_JOB_NAME": "bash"})
@@ -166,6 +172,7 @@ def test_slurm_is_not_detected_in_an_interactive_allocation() -> None:
         ({"SLURM_JOB_ID": None}, r"neither SLURM_JOB_ID nor MASTER_PORT is set"),
         ({"SLURM_JOB_NODELIST": None}, r"neither SLURM_JOB_NODELIST nor SLURM_NODELIST nor MASTER_ADDR"),
         ({"SLURM_JOB_NODELIST": "gpu[004-003]"}, r"descending range '004-003'"),
+        ({"SLURM_NODEID": None}, r"SLURM_NODEID is not set and SLURMD_NODENAME='' does not name a host"),
     ],
 )
 def test_slurm_rejects_half_set_or_contradictory_variables(changes: dict[str, str | None], message: str) -> None:

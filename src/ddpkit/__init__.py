@@ -40,6 +40,8 @@ from ddpkit.errors import (
     ClusterEnvironmentError,
     CollectiveMismatchError,
     DDPKitError,
+    PortTakenError,
+    RendezvousFailedError,
     WarningDDP,
     WorkerFailedError,
 )
@@ -86,6 +88,8 @@ __all__ = [
     "LSFEnvironment",
     "LocalEnvironment",
     "MPIEnvironment",
+    "PortTakenError",
+    "RendezvousFailedError",
     "SLURMEnvironment",
     "TorchElasticEnvironment",
     "TrainLoop",

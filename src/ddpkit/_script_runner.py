@@ -15,6 +15,7 @@ import sys
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, write_record
 from ddpkit._orphans import die_with_parent
+from ddpkit._stores import serve_on_loopback
 
 
 def main() -> None:
@@ -26,8 +27,20 @@ def main() -> None:
         args = args[1:]
     if not args:
         raise SystemExit("usage: python -m ddpkit._script_runner [-m] SCRIPT_OR_MODULE [ARGS...]")
-    target, rest = args[0], args[1:]
-    sys.argv = [target, *rest]
+    run_target(args[0], args[1:], as_module)
+
+
+def run_target(target: str, args: list[str], as_module: bool = False) -> None:
+    """Run ``target`` as ``python [-m] target args`` would, in this process, recording a failure first.
+
+    On rank 0 with a loopback ``MASTER_ADDR``, first host the process-group store
+    on the loopback address (``init_process_group`` in the script reuses it; torch
+    alone would listen on every interface).
+    """
+    address, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if os.environ.get("RANK") == "0" and port.isdigit():
+        serve_on_loopback(address, int(port), if_taken="torch")
+    sys.argv = [target, *args]
     directory = os.environ.get(FAILURE_DIR_VARIABLE)
     try:
         if as_module:

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from ddpkit import __version__
 from ddpkit.environments import detect_environment
-from ddpkit.errors import ClusterEnvironmentError, WorkerFailedError
-from ddpkit.launch import run_script
+from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
+from ddpkit.launch import launch, run_script
 
 __all__ = ["build_parser", "main"]
 
@@ -38,29 +38,29 @@ def build_parser() -> argparse.ArgumentParser:
             "worker afresh with its own store."
         ),
     )
-    run.add_argument(
-        "-n",
-        "--nproc-per-node",
-        "--nprocs",
-        dest="nprocs",
-        type=int,
-        default=None,
-        help="processes per node (default: CUDA devices, or 1)",
-    )
-    run.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    run.add_argument("--node-rank", type=int, default=0, help="this node's rank, passed to torchrun (default 0)")
-    run.add_argument(
-        "--rdzv-endpoint",
-        default=None,
-        metavar="HOST:PORT",
-        help="rendezvous endpoint, the same on every node (default 127.0.0.1 and a free port)",
-    )
-    run.add_argument("--rdzv-id", default=None, help="rendezvous id shared by the nodes of one job")
+    _add_job_arguments(run)
     run.add_argument("--max-restarts", type=int, default=0, help="restarts of all workers after a failure (default 0)")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
-    run.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
+    run.add_argument("--doctor", action="store_true", help="run `ddpkit doctor` on these processes instead of SCRIPT")
+    run.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module, with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments of the script")
     run.set_defaults(handler=_run)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check that every rank reaches every other; time all_reduce and all_gather",
+        description=(
+            "Start N processes per node as `ddpkit run` would (or use the tasks of srun / mpirun), check that "
+            "every rank exchanges a message with every other rank, then print all_reduce and all_gather latency "
+            "(small messages) and bandwidth (large messages). Exits 1 with a diagnosis when a rank is "
+            "unreachable, a node does not join, or the rendezvous port is taken."
+        ),
+    )
+    _add_job_arguments(doctor)
+    doctor.add_argument(
+        "--peer-timeout", type=float, default=10.0, help="seconds to wait for each peer's message (default 10)"
+    )
+    doctor.set_defaults(handler=_doctor)
 
     env = commands.add_parser("env", help="print the detected cluster environment as JSON")
     env.set_defaults(handler=_env)
@@ -88,6 +88,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that say where a job's processes run (``run`` and ``doctor``)."""
+    parser.add_argument(
+        "-n",
+        "--nproc-per-node",
+        "--nprocs",
+        dest="nprocs",
+        type=int,
+        default=None,
+        help="processes per node (default: CUDA devices, or 1; doctor: 2)",
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument(
+        "--node-rank", type=int, default=0, help="accepted as torchrun does; the rendezvous numbers the nodes"
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="rendezvous endpoint, the same on every node (default 127.0.0.1 and a free port)",
+    )
+    parser.add_argument("--rdzv-id", default=None, help="rendezvous id shared by the nodes of one job")
+    parser.add_argument(
+        "--join-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds for all nodes to join the rendezvous (default 600; doctor: 60)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ddpkit`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -95,12 +126,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
-def _fail(command: str, error: BaseException, status: int = 1) -> int:
+def _fail(command: str, error: BaseException | str, status: int = 1) -> int:
     print(f"ddpkit {command}: {error}", file=sys.stderr)
     return status
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.doctor:
+        args.peer_timeout = 10.0
+        return _doctor(args)
+    if args.script is None:
+        return _fail("run", ValueError("SCRIPT is required (or --doctor)"), status=2)
     try:
         run_script(
             args.script,
@@ -112,12 +148,42 @@ def _run(args: argparse.Namespace) -> int:
             run_id=args.rdzv_id,
             max_restarts=args.max_restarts,
             module=args.module,
+            join_timeout=args.join_timeout,
         )
-    except WorkerFailedError as error:
+    except (WorkerFailedError, RendezvousFailedError, PortTakenError) as error:
         return _fail("run", error)
     except ValueError as error:
         return _fail("run", error, status=2)
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from ddpkit.doctor import check_ranks
+
+    try:
+        results = launch(
+            check_ranks,
+            nprocs=2 if args.nprocs is None else args.nprocs,
+            nnodes=args.nnodes,
+            rdzv_endpoint=args.rdzv_endpoint,
+            run_id=args.rdzv_id,
+            join_timeout=60.0 if args.join_timeout is None else args.join_timeout,
+            timeout=max(30.0, 3 * args.peer_timeout),
+            peer_timeout=args.peer_timeout,
+        )
+    except WorkerFailedError as error:
+        return _fail("doctor", f"a rank failed before the checks could finish. {error}")
+    except (RendezvousFailedError, PortTakenError) as error:
+        return _fail("doctor", error)
+    except ValueError as error:
+        return _fail("doctor", error, status=2)
+    report = results.get(0)
+    if report is None:
+        ranks = ", ".join(map(str, sorted(results)))
+        print(f"ddpkit doctor: ranks {ranks} of this node took part; rank 0's node prints the report")
+        return 0
+    print(report.format())
+    return 0 if report.ok else 1
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -152,7 +218,8 @@ def _demo(args: argparse.Namespace) -> int:
         summary = job()
     except (WorkerFailedError, ValueError) as error:
         return _fail("demo", error)
-    print(summary.format(seconds=time.perf_counter() - started))
+    if detect_environment().global_rank() == 0:  # under srun or mpirun every task gets here
+        print(summary.format(seconds=time.perf_counter() - started))
     return 0
 
 

@@ -10,6 +10,8 @@ __all__ = [
     "ClusterEnvironmentError",
     "CollectiveMismatchError",
     "DDPKitError",
+    "PortTakenError",
+    "RendezvousFailedError",
     "WarningDDP",
     "WorkerFailedError",
 ]
@@ -71,6 +73,18 @@ class WorkerFailedError(DDPKitError):
 
     def __reduce__(self) -> tuple[type[WorkerFailedError], tuple[int, int, str, str, dict[int, str]]]:
         return (type(self), (self.rank, self.exitcode, self.error, self.traceback, self.failures))
+
+
+class PortTakenError(DDPKitError):
+    """A port that a rendezvous store must listen on is held by another program (the message names it)."""
+
+
+class RendezvousFailedError(DDPKitError):
+    """The nodes of a launch did not meet: a node is missing or unreachable, or its rendezvous port is taken.
+
+    The message names the endpoint, the number of nodes expected, how long this
+    node waited, and what to check.
+    """
 
 
 class WarningDDP(UserWarning):

@@ -4,7 +4,13 @@ ddpkit writes no launcher and no rendezvous of its own: :func:`launch` drives
 ``torch.distributed.launcher.api.elastic_launch`` and :func:`run_script`
 drives ``torch.distributed.run`` (torchrun). What ddpkit adds:
 
-* loopback and a free port by default, so nothing listens beyond this machine;
+* loopback and a free port by default, and nothing listens beyond this machine:
+  torch's stores listen on every interface, so for a loopback rendezvous the
+  agent's store and each attempt's process-group store are bound to the loopback
+  address (:mod:`ddpkit._stores`); gloo is pinned to the loopback interface;
+* under a scheduler that already started the job's processes (``srun``,
+  ``mpirun``, torchrun, a Kubeflow or LSF job: :func:`scheduler_environment`),
+  nothing is spawned: ``fn`` or the script runs once in each of those processes;
 * restarts that work: on torch 2.13 a restarted attempt's
   ``init_process_group`` finds the previous attempt's keys in the agent's shared
   rendezvous store and fails to connect (plain ``torchrun --max-restarts 1``
@@ -27,7 +33,9 @@ import signal
 import tempfile
 import textwrap
 import threading
+import traceback
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,10 +45,12 @@ import torch
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error, write_record
 from ddpkit._orphans import die_with_parent
-from ddpkit.environments import TorchElasticEnvironment, is_loopback
+from ddpkit._stores import release_loopback_store, serve_on_loopback
+from ddpkit.environments import ClusterEnvironment, TorchElasticEnvironment, detect_environment, is_loopback
+from ddpkit.errors import RendezvousFailedError
 from ddpkit.process_group import barrier, destroy_dist_connection, init_dist_connection
 
-__all__ = ["launch", "run_script"]
+__all__ = ["launch", "run_script", "scheduler_environment"]
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 
@@ -80,6 +90,7 @@ def launch(
     start_method: StartMethod = "spawn",
     timeout: float | None = None,
     run_id: str | None = None,
+    join_timeout: float | None = None,
     **kwargs: Any,
 ) -> dict[int, Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` new processes per node, as one DDP job.
@@ -107,14 +118,27 @@ def launch(
         timeout: process-group timeout in seconds (default torch's, 30 minutes for gloo).
         run_id: rendezvous id shared by the nodes of one job; default a fresh
             id (single node) or ``"ddpkit"`` (several nodes).
+        join_timeout: seconds the nodes have to join the rendezvous (torch's
+            default 600); the launch fails after that naming how many arrived.
+
+    Under a scheduler that already started this job's processes
+    (:func:`scheduler_environment`: ``srun``, ``mpirun``, torchrun, ...) nothing
+    is spawned: ``fn`` runs in this process, on its own copy of the arguments,
+    as one rank of the scheduler's tasks; ``nprocs``, ``nnodes`` and the
+    rendezvous arguments are ignored, and an exception of ``fn`` propagates
+    unchanged (the scheduler stops the other tasks: use ``srun
+    --kill-on-bad-exit=1``).
 
     Returns:
-        ``{global rank: fn's return value}`` for this node's workers.
+        ``{global rank: fn's return value}`` for this node's workers (under a
+        scheduler: for this process).
 
     Raises:
         WorkerFailedError: a worker raised or died (after ``max_restarts``
             restarts); every worker has been stopped when it is raised, and it
             names the first failing rank with its error text and traceback.
+        RendezvousFailedError: the nodes did not all join within ``join_timeout``.
+        PortTakenError: the loopback rendezvous port is held by another program.
         TypeError: ``fn`` or the arguments cannot be pickled (a lambda, a nested
             function) with ``spawn``/``forkserver``.
         ValueError: ``nprocs``, ``nnodes`` or ``max_restarts`` out of range, or
@@ -123,28 +147,34 @@ def launch(
             re-imported by a spawned worker (the message shows the fix).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _check_missing_main_guard()
+    scheduler = scheduler_environment()
+    if scheduler is not None:
+        spec = _WorkerSpec(fn, "", dict(kwargs), backend, timeout)
+        return _run_in_this_task(scheduler, spec, args, nprocs)
     nprocs = _default_nprocs() if nprocs is None else nprocs
     _check_counts(nprocs, nnodes, max_restarts)
     if start_method not in ("spawn", "fork", "forkserver"):
         raise ValueError(f"start_method={start_method!r} must be 'spawn', 'fork' or 'forkserver'")
     endpoint, rdzv_id, local_addr = _rendezvous(nnodes, rdzv_endpoint, run_id)
-    config = LaunchConfig(
-        min_nodes=nnodes,
-        max_nodes=nnodes,
-        nproc_per_node=nprocs,
-        run_id=rdzv_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method=start_method,
-        local_addr=local_addr,
-        shutdown_timeout=_SHUTDOWN_GRACE_S,
-    )
-    with _agent_scope() as failure_dir:
+    with _agent_scope() as failure_dir, _rendezvous_store(endpoint, nnodes) as endpoint:
+        config = LaunchConfig(
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            nproc_per_node=nprocs,
+            run_id=rdzv_id,
+            rdzv_backend="c10d",
+            rdzv_endpoint=endpoint,
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            start_method=start_method,
+            local_addr=local_addr,
+            shutdown_timeout=_SHUTDOWN_GRACE_S,
+            rdzv_configs={} if join_timeout is None else {"join_timeout": max(1, round(join_timeout))},
+        )
         spec = _WorkerSpec(fn, failure_dir, dict(kwargs), backend, timeout)
         payload: Any = (spec, args)
         if start_method != "fork":
@@ -157,7 +187,11 @@ def launch(
         try:
             results: dict[int, Any] = elastic_launch(config, _worker_entry)(payload)
         except ChildFailedError as err:
+            _release_frames(err)
             raise worker_failed_error(err, read_records(failure_dir)) from err
+        except RendezvousError as err:
+            _release_frames(err)
+            raise _rendezvous_failed(err, endpoint, nnodes, join_timeout) from err
     return results
 
 
@@ -172,6 +206,7 @@ def run_script(
     run_id: str | None = None,
     max_restarts: int = 0,
     module: bool = False,
+    join_timeout: float | None = None,
 ) -> None:
     """Run a torchrun-style script (``python script.py args``) on ``nprocs`` processes per node.
 
@@ -179,40 +214,113 @@ def run_script(
     ``MASTER_ADDR`` and ``MASTER_PORT`` and calls ``init_process_group`` itself
     (or :func:`~ddpkit.init_dist_connection`). This is ``ddpkit run``; it uses
     ``torch.distributed.run`` underneath, with the defaults and restart fix
-    described in this module. Arguments as for :func:`launch`; ``node_rank`` is
-    passed to torchrun, and ``module=True`` runs ``python -m script``.
+    described in this module. Arguments as for :func:`launch`; ``module=True``
+    runs ``python -m script``. ``node_rank`` is accepted as torchrun accepts it,
+    and unused: the c10d rendezvous numbers the nodes as they join.
+
+    Under a scheduler that already started this job's processes
+    (:func:`scheduler_environment`), the script runs in this process instead,
+    with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` set from the scheduler's variables.
 
     Raises:
         WorkerFailedError: a worker exited non-zero or died (after ``max_restarts``
             restarts); its traceback is in its stderr unless it used ``@record``.
+        RendezvousFailedError: the nodes did not all join within ``join_timeout``.
+        PortTakenError: the loopback rendezvous port is held by another program.
         ValueError: counts out of range, or several nodes without ``rdzv_endpoint``.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
+    scheduler = scheduler_environment()
+    if scheduler is not None:
+        # Imported here: `python -m ddpkit._script_runner` must not find it imported already.
+        from ddpkit._script_runner import run_target
+
+        _warn_ignored_nprocs(scheduler, nprocs)
+        os.environ.update(_torchrun_variables(scheduler))
+        run_target(script, list(script_args), as_module=module)
+        return
     nprocs = _default_nprocs() if nprocs is None else nprocs
     _check_counts(nprocs, nnodes, max_restarts)
     endpoint, rdzv_id, local_addr = _rendezvous(nnodes, rdzv_endpoint, run_id)
-    argv = [
-        f"--nnodes={nnodes}",
-        f"--nproc-per-node={nprocs}",
-        f"--node-rank={node_rank}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={rdzv_id}",
-        f"--max-restarts={max_restarts}",
-        f"--shutdown-timeout={_SHUTDOWN_GRACE_S}",
-    ]
-    if local_addr:
-        argv.append(f"--local-addr={local_addr}")
-    # Every worker runs `python -u -m ddpkit._script_runner [-m] script args`: the script
-    # itself, plus a failure record that tells which rank failed first.
-    argv += ["--module", "ddpkit._script_runner", *(["-m"] if module else []), script, *script_args]
-    with _agent_scope() as failure_dir:
+    with _agent_scope() as failure_dir, _rendezvous_store(endpoint, nnodes) as endpoint:
+        argv = [
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nprocs}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={rdzv_id}",
+            f"--max-restarts={max_restarts}",
+            f"--shutdown-timeout={_SHUTDOWN_GRACE_S}",
+        ]
+        if join_timeout is not None:
+            argv.append(f"--rdzv-conf=join_timeout={max(1, round(join_timeout))}")
+        if local_addr:
+            argv.append(f"--local-addr={local_addr}")
+        # Every worker runs `python -u -m ddpkit._script_runner [-m] script args`: the script
+        # itself, plus a failure record that tells which rank failed first.
+        argv += ["--module", "ddpkit._script_runner", *(["-m"] if module else []), script, *script_args]
         try:
             torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
         except ChildFailedError as err:
+            _release_frames(err)
             raise worker_failed_error(err, read_records(failure_dir)) from err
+        except RendezvousError as err:
+            _release_frames(err)
+            raise _rendezvous_failed(err, endpoint, nnodes, join_timeout) from err
+
+
+def scheduler_environment() -> ClusterEnvironment | None:
+    """The cluster environment, when a scheduler already started this job's processes; else ``None``.
+
+    That is: :func:`~ddpkit.detect_environment` reports processes created
+    externally (``srun``, ``mpirun``, torchrun, a Kubeflow or LSF job, or
+    ``RANK`` set by hand) and a world size above 1. :func:`launch` and
+    :func:`run_script` then run in this process instead of spawning.
+    """
+    env = detect_environment()
+    return env if env.creates_processes_externally and env.world_size() > 1 else None
+
+
+def _run_in_this_task(
+    env: ClusterEnvironment, spec: _WorkerSpec, args: tuple[Any, ...], nprocs: int | None
+) -> dict[int, Any]:
+    """:func:`launch` as one of a scheduler's tasks: group up, run ``fn`` once, group down."""
+    _warn_ignored_nprocs(env, nprocs)
+    spec, args = pickle.loads(_pickled(spec, args))  # its own copy, as a spawned worker has
+    options: dict[str, Any] = {} if spec.timeout is None else {"timeout": spec.timeout}
+    init_dist_connection(env, spec.backend, **options)
+    try:
+        result = spec.fn(*args, **spec.kwargs)
+        barrier()  # rank 0 hosts the store: keep it up until every rank is done
+    finally:
+        destroy_dist_connection()
+    return {int(env.global_rank()): result}
+
+
+def _warn_ignored_nprocs(env: ClusterEnvironment, nprocs: int | None) -> None:
+    if nprocs is not None and nprocs > 1:
+        warnings.warn(
+            f"nprocs={nprocs} is ignored: the {env.name} environment already started {env.world_size()} processes "
+            "for this job, and each runs the work once (unset its variables, or set DDPKIT_CLUSTER_ENV=local, "
+            "to spawn processes here instead)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _torchrun_variables(env: ClusterEnvironment) -> dict[str, str]:
+    """The variables a torchrun worker sees, from a scheduler's environment."""
+    return {
+        "RANK": str(env.global_rank()),
+        "WORLD_SIZE": str(env.world_size()),
+        "LOCAL_RANK": str(env.local_rank()),
+        "MASTER_ADDR": str(env.master_address()),
+        "MASTER_PORT": str(env.master_port()),
+    }
 
 
 # --- inside a worker --------------------------------------------------------------------
@@ -331,6 +439,39 @@ def _agent_scope() -> Iterator[str]:
                 os.environ[name] = value
         for signum, handler in saved_signals.items():
             signal.signal(signum, handler)
+
+
+def _rendezvous_failed(err: Exception, endpoint: str, nnodes: int, join_timeout: float | None) -> RendezvousFailedError:
+    waited = f"{join_timeout:g} s" if join_timeout is not None else "the join timeout (600 s by default)"
+    detail = f" ({type(err).__name__}: {err})" if str(err) else f" ({type(err).__name__})"
+    return RendezvousFailedError(
+        f"the rendezvous at {endpoint} did not complete: this node waited {waited} for {nnodes} node(s) and fewer "
+        f"joined{detail}. Start the same command on every node with the same rendezvous endpoint and id (and "
+        f"nnodes={nnodes}), check that {endpoint} is reachable from each node and that no other program holds "
+        "its port"
+    )
+
+
+def _release_frames(err: BaseException) -> None:
+    """Clear the locals of the agent's finished frames in ``err``'s traceback.
+
+    They hold the rendezvous store, whose server would otherwise keep listening
+    for as long as the caller keeps the exception (the traceback still prints).
+    """
+    traceback.clear_frames(err.__traceback__)
+
+
+@contextmanager
+def _rendezvous_store(endpoint: str, nnodes: int) -> Iterator[str]:
+    """Host the rendezvous store on the loopback address when the endpoint is loopback; yield the
+    endpoint with its real port (a free one for port 0). With several nodes, another agent on this
+    machine may host it already."""
+    host, _, port = endpoint.rpartition(":")
+    served = serve_on_loopback(host.strip("[]"), int(port), if_taken="peer" if nnodes > 1 else "raise")
+    try:
+        yield endpoint if served is None else f"{host}:{served}"
+    finally:
+        release_loopback_store(served)
 
 
 def _current_handlers() -> dict[signal.Signals, Any]:

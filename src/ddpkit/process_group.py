@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddpkit._stores import release_loopback_store, serve_on_loopback
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback
 from ddpkit.errors import ClusterEnvironmentError, DDPKitError
 
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: The port of the loopback store this process hosts for the default group (rank 0), if any.
+_served_port: int | None = None
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -86,8 +90,10 @@ def init_dist_connection(
         **kwargs: forwarded to ``init_process_group``, e.g. ``timeout`` (a
             ``timedelta``, or a number of seconds) or ``init_method``.
 
-    When the master address is loopback and ``GLOO_SOCKET_IFNAME`` is unset, gloo
-    is pinned to the loopback interface: every peer is on this machine.
+    When the master address is loopback, nothing listens beyond this machine:
+    rank 0 hosts the store on the loopback address (torch's own would listen on
+    every interface), and gloo is pinned to the loopback interface unless
+    ``GLOO_SOCKET_IFNAME`` is set.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not available in this build.
@@ -133,14 +139,27 @@ def init_dist_connection(
         torch.cuda.set_device(local_rank)
     if isinstance(kwargs.get("timeout"), (int, float)):
         kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
+    global _served_port
+    if rank == 0 and "init_method" not in kwargs and "store" not in kwargs:
+        # Else torch's store listens on every interface. A port held already is left to torch: its
+        # own server in this process, or its error.
+        _served_port = serve_on_loopback(address, port, if_taken="torch")
     log.info("initialising process group: rank %d of %d, backend %s, master %s:%d", rank, size, backend, address, port)
-    dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)
+    except BaseException:
+        release_loopback_store(_served_port)
+        _served_port = None
+        raise
 
 
 def destroy_dist_connection() -> None:
     """Destroy the default process group, if there is one (every rank must call it)."""
+    global _served_port
     if is_distributed():
         dist.destroy_process_group()
+    release_loopback_store(_served_port)
+    _served_port = None
 
 
 def is_distributed() -> bool:

@@ -28,7 +28,7 @@ from ddpkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_state, save_
 from ddpkit.collectives import all_gather_object, sync_ddp
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin, move_data_to_device
-from ddpkit.launch import launch
+from ddpkit.launch import launch, scheduler_environment
 from ddpkit.loaders import build_loader_sampler
 from ddpkit.ordered import gather_in_order
 from ddpkit.process_group import barrier, get_local_rank, get_rank, get_world_size, is_distributed
@@ -204,17 +204,26 @@ class TrainLoop:
         """Run :meth:`fit` on ``num_processes`` new processes (through :func:`~ddpkit.launch`).
 
         The train loop (model, loaders, optimizer, callbacks) is pickled to every
-        worker. Afterwards this process's :attr:`model` holds the trained weights
-        and :attr:`history` rank 0's history. With ``max_restarts`` and a
-        ``checkpoint_dir``, restarted workers resume from the last checkpoint.
-        Call it under ``if __name__ == "__main__":``.
+        worker, and every worker starts from this process's random state (torch,
+        numpy, Python), so the run is reproducible and dropout draws what ``fit``
+        here would have drawn (the same on every rank). Afterwards this process's
+        :attr:`model` holds the trained weights and :attr:`history` rank 0's
+        history. With ``max_restarts`` and a ``checkpoint_dir``, restarted workers
+        resume from the last checkpoint (bit-identical to an uninterrupted run).
+        Call it under ``if __name__ == "__main__":``. Under a scheduler that
+        already started the job's processes (``srun``, ``mpirun``, torchrun:
+        :func:`~ddpkit.launch.scheduler_environment`) nothing is spawned: this
+        process trains as one of its ranks, ``num_processes`` is ignored, and
+        :attr:`history` is this rank's (the same numbers on every rank).
 
         Raises:
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """
+        in_this_process = scheduler_environment() is not None  # srun, mpirun, torchrun: no spawning
         results = launch(
-            _fit_worker, self, num_epochs, grad_accumulation, callbacks,
-            nprocs=num_processes, backend=backend, max_restarts=max_restarts, timeout=timeout,
+            _fit_worker, self, num_epochs, grad_accumulation, callbacks, in_this_process, rng_state(),
+            nprocs=None if in_this_process else num_processes, backend=backend, max_restarts=max_restarts,
+            timeout=timeout,
         )  # fmt: skip
         history: dict[str, list[float]]
         history, weights = results[min(results)]
@@ -398,11 +407,18 @@ class TrainLoop:
 
 
 def _fit_worker(
-    loop: TrainLoop, num_epochs: int, grad_accumulation: int, callbacks: list[Callback] | None
+    loop: TrainLoop,
+    num_epochs: int,
+    grad_accumulation: int,
+    callbacks: list[Callback] | None,
+    every_rank: bool,
+    random_state: dict[str, Any],
 ) -> tuple[dict[str, list[float]], dict[str, torch.Tensor] | None]:
+    set_rng_state(random_state)  # as if fit ran in the caller: the same run every time
     loop._reset_distributed()
     history = loop.fit(num_epochs, grad_accumulation, callbacks)
-    weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if get_rank() == 0 else None
+    send = every_rank or get_rank() == 0  # spawned workers: only rank 0's copy travels back
+    weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if send else None
     return history, weights
 
 

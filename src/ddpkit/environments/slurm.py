@@ -27,7 +27,8 @@ class SLURMEnvironment(ClusterEnvironment):
     ``bash`` or ``interactive`` (an interactive allocation, where you start the
     processes yourself); ``DDPKIT_CLUSTER_ENV=local`` also turns it off. Reads
     ``SLURM_PROCID`` (global rank), ``SLURM_NTASKS`` (world size),
-    ``SLURM_LOCALID`` (local rank), ``SLURM_NODEID`` (node rank). The master
+    ``SLURM_LOCALID`` (local rank), ``SLURM_NODEID`` (node rank; without it, the
+    place of ``SLURMD_NODENAME`` in the node list, or 0 on one node). The master
     address is ``MASTER_ADDR`` if set, else the first host of
     ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``), bracket ranges such as
     ``node[001-004,007]`` included. The master port is ``MASTER_PORT`` if set,
@@ -47,19 +48,19 @@ class SLURMEnvironment(ClusterEnvironment):
     @classmethod
     def parse(cls, env: Mapping[str, str]) -> ClusterSettings:
         fix = "run the processes with srun, or set DDPKIT_CLUSTER_ENV=local to ignore SLURM"
-        require(env, ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"), "the SLURM environment", fix)
+        require(env, ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"), "the SLURM environment", fix)
         nodelist_var = "SLURM_JOB_NODELIST" if env.get("SLURM_JOB_NODELIST", "").strip() else "SLURM_NODELIST"
         world_size = int_var(env, "SLURM_NTASKS")
         rank = int_var(env, "SLURM_PROCID")
         local_rank = int_var(env, "SLURM_LOCALID")
-        node_rank = int_var(env, "SLURM_NODEID")
         check_below("SLURM_PROCID", rank, "SLURM_NTASKS", world_size)
         check_below("SLURM_LOCALID", local_rank, "SLURM_NTASKS", world_size)
 
         master_addr = env.get("MASTER_ADDR", "").strip()
         nodelist = env.get(nodelist_var, "").strip()
-        if nodelist:
-            hosts = expand_hostlist(nodelist)
+        hosts = expand_hostlist(nodelist) if nodelist else []
+        node_rank = _node_rank(env, hosts, nodelist_var)
+        if hosts:
             check_below("SLURM_NODEID", node_rank, f"the number of hosts in {nodelist_var}={nodelist!r}", len(hosts))
             master_addr = master_addr or hosts[0]
         if not master_addr:
@@ -76,6 +77,21 @@ class SLURMEnvironment(ClusterEnvironment):
                 "the SLURM environment is half-set: neither SLURM_JOB_ID nor MASTER_PORT is set; " + fix
             )
         return ClusterSettings(master_addr, master_port, world_size, rank, local_rank, node_rank)
+
+
+def _node_rank(env: Mapping[str, str], hosts: list[str], nodelist_var: str) -> int:
+    """``SLURM_NODEID``; else this host's place in the node list (``SLURMD_NODENAME``); else 0 on one node."""
+    if env.get("SLURM_NODEID", "").strip():
+        return int_var(env, "SLURM_NODEID")
+    name = env.get("SLURMD_NODENAME", "").strip()
+    if name and name in hosts:
+        return hosts.index(name)
+    if len(hosts) <= 1:
+        return 0
+    raise ClusterEnvironmentError(
+        f"the SLURM environment is half-set: SLURM_NODEID is not set and SLURMD_NODENAME={name!r} does not name a "
+        f"host of {nodelist_var} ({len(hosts)} hosts), so this task's node is unknown; run the processes with srun"
+    )
 
 
 def expand_hostlist(nodelist: str) -> list[str]:

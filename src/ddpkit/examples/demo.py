@@ -10,6 +10,9 @@ accuracy printed is the single-process number.
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +22,26 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ddpkit.examples.digits import digits_datasets
-from ddpkit.process_group import get_world_size, seed_everything
+from ddpkit.launch import scheduler_environment
+from ddpkit.process_group import (
+    destroy_dist_connection,
+    get_rank,
+    get_world_size,
+    init_dist_connection,
+    seed_everything,
+)
 from ddpkit.train_loop import TrainLoop
 
-__all__ = ["DemoConfig", "DemoResult", "build_model", "digits_train_loop", "run_demo", "train_digits"]
+__all__ = [
+    "DemoConfig",
+    "DemoResult",
+    "build_model",
+    "digits_train_loop",
+    "main",
+    "run_demo",
+    "train_digits",
+    "weights_digest",
+]
 
 
 @dataclass(frozen=True)
@@ -106,12 +125,61 @@ def train_digits(config: DemoConfig) -> DemoResult:
 
 
 def run_demo(nprocs: int = 2, config: DemoConfig | None = None) -> DemoResult:
-    """Train on ``nprocs`` new CPU processes (gloo on loopback) with ``TrainLoop.fit_distributed``."""
+    """Train on ``nprocs`` new CPU processes (gloo on loopback) with ``TrainLoop.fit_distributed``.
+
+    Under a scheduler that started the job's processes (``srun``, ``mpirun``),
+    this process trains as one of them instead (every task must call it).
+    """
     config = config or DemoConfig()
     loop = digits_train_loop(config)
+    scheduler = scheduler_environment()
     started = time.perf_counter()
     history = loop.fit_distributed(config.epochs, num_processes=nprocs, backend="gloo")
-    return _result(loop, history, nprocs, time.perf_counter() - started)
+    world_size = scheduler.world_size() if scheduler is not None else nprocs
+    return _result(loop, history, world_size, time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ddpkit.examples.demo``: train on the ranks of the job this process belongs to.
+
+    For ``ddpkit run -m ddpkit.examples.demo``, ``srun`` or ``mpirun``: every
+    process trains as one rank (:func:`~ddpkit.init_dist_connection` reads the
+    environment); rank 0 prints the summary and, with ``--out FILE``, writes it
+    as JSON with a sha256 of the trained weights.
+    """
+    parser = argparse.ArgumentParser(prog="python -m ddpkit.examples.demo", description=main.__doc__)
+    parser.add_argument("--epochs", type=int, default=DemoConfig.epochs)
+    parser.add_argument("--batch-size", type=int, default=DemoConfig.batch_size)
+    parser.add_argument("--seed", type=int, default=DemoConfig.seed)
+    parser.add_argument("--out", type=Path, default=None, help="write rank 0's summary here (JSON)")
+    args = parser.parse_args(argv)
+    config = DemoConfig(args.epochs, args.batch_size, seed=args.seed, progress=False)
+    init_dist_connection(None, "gloo")
+    try:
+        result = train_digits(config)
+        rank = get_rank()
+    finally:
+        destroy_dist_connection()
+    if rank != 0:
+        return
+    summary = {
+        "world_size": result.world_size,
+        "train_losses": list(result.train_losses),
+        "val_correct": result.val_correct,
+        "weights_sha256": weights_digest(result.weights),
+    }
+    print(json.dumps(summary))
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary))
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names and bytes of a ``state_dict``: equal exactly when the weights are bit-identical."""
+    digest = hashlib.sha256()
+    for name, tensor in weights.items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _result(loop: TrainLoop, history: dict[str, list[float]], world_size: int, seconds: float) -> DemoResult:
@@ -120,3 +188,7 @@ def _result(loop: TrainLoop, history: dict[str, list[float]], world_size: int, s
     correct = round(history["validation_accuracy"][-1] * total)
     weights = {name: tensor.detach().clone() for name, tensor in loop.model.state_dict().items()}
     return DemoResult(world_size, tuple(history["train_loss"]), correct, total, seconds, weights)
+
+
+if __name__ == "__main__":
+    main()

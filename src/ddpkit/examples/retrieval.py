@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ddpkit.collectives import all_gather_ddp_if_available
 from ddpkit.examples.digits import digits_datasets
+from ddpkit.launch import scheduler_environment
 from ddpkit.process_group import get_rank, get_world_size, seed_everything
 from ddpkit.train_loop import TrainLoop
 
@@ -245,6 +246,7 @@ def run_retrieval_demo(nprocs: int = 2, config: RetrievalConfig | None = None) -
     config = config or RetrievalConfig()
     loop = retrieval_train_loop(config)
     initial = loop.evaluate()["precision_at_1"]
+    scheduler = scheduler_environment()
     started = time.perf_counter()
     if nprocs:
         history = loop.fit_distributed(config.epochs, num_processes=nprocs, backend="gloo")
@@ -252,7 +254,7 @@ def run_retrieval_demo(nprocs: int = 2, config: RetrievalConfig | None = None) -
         history = loop.fit(config.epochs)
     weights = {name: tensor.detach().clone() for name, tensor in loop.model.state_dict().items()}
     return RetrievalResult(
-        nprocs or get_world_size(),
+        scheduler.world_size() if nprocs and scheduler is not None else nprocs or get_world_size(),
         tuple(history["train_loss"]),
         history["validation_precision_at_1"][-1],
         initial,
