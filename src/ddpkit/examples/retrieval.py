@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from ddpkit.collectives import all_gather_ddp_if_available
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.launch import scheduler_environment
-from ddpkit.process_group import get_rank, get_world_size, seed_everything
+from ddpkit.metric_learning import precision_at_1, triplet_loss
+from ddpkit.process_group import get_world_size, seed_everything
 from ddpkit.train_loop import TrainLoop
 
 __all__ = [
@@ -160,49 +160,6 @@ class EmbeddingNet(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """``(N, 64)`` images -> ``(N, dim)`` unit vectors."""
         return nn.functional.normalize(self.body(images), dim=1)
-
-
-def _distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Euclidean distances ``(len(a), len(b))`` between unit vectors (a stable gradient at 0)."""
-    return (2 - 2 * a @ b.T).clamp_min(1e-12).sqrt()
-
-
-def triplet_loss(embeddings: torch.Tensor, labels: torch.Tensor, margin: float) -> torch.Tensor:
-    """Triplet loss over all triplets, with positives and negatives from every rank (every rank must call it).
-
-    Each of this rank's ``(B, D)`` embeddings (labels ``(B,)``) is an anchor; its
-    positives (other samples of its class) and negatives (samples of other
-    classes) are all ranks' batches, gathered with
-    :func:`~ddpkit.all_gather_ddp_if_available` (``sync_grads=True``: the
-    gradient through another rank's embeddings flows back to the rank that
-    computed them). An anchor's loss is the mean of ``relu(d(a, p) - d(a, n) +
-    margin)`` over its triplets; the result is the mean over the anchors. Every
-    rank's batch must have the same size. With W ranks of batch B, the
-    parameters' gradient (averaged by DDP) equals the single-process gradient of
-    one batch of ``W * B``.
-
-    Returns:
-        the loss, a scalar.
-    """
-    rank, batch = get_rank(), len(embeddings)
-    everyone = all_gather_ddp_if_available(embeddings, sync_grads=True).flatten(0, 1)
-    all_labels = all_gather_ddp_if_available(labels).flatten()
-    distances = _distances(embeddings, everyone)  # (B, W * B)
-    same = labels[:, None] == all_labels[None, :]
-    itself = torch.zeros_like(same)
-    itself[torch.arange(batch), torch.arange(batch) + rank * batch] = True
-    valid = (same & ~itself)[:, :, None] & ~same[:, None, :]  # (anchor, positive, negative)
-    losses = torch.relu(distances[:, :, None] - distances[:, None, :] + margin) * valid
-    per_anchor = losses.sum(dim=(1, 2)) / valid.sum(dim=(1, 2)).clamp_min(1)
-    return per_anchor.mean()
-
-
-def precision_at_1(embeddings: torch.Tensor, labels: torch.Tensor) -> float:
-    """Share of samples whose nearest other sample in ``(N, D)`` ``embeddings`` has the same label ``(N,)``."""
-    distances = _distances(embeddings, embeddings)
-    distances.fill_diagonal_(float("inf"))
-    nearest = distances.argmin(dim=1)
-    return float((labels[nearest] == labels).double().mean())
 
 
 class RetrievalTrainLoop(TrainLoop):

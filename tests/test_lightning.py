@@ -1,0 +1,202 @@
+"""The Lightning integration on a real ``Trainer(strategy="ddp", devices=2)``: sharded custom batch samplers and
+validation metrics equal to a single-process evaluation of the same weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpkit.examples.digits import digits_datasets
+from ddpkit.examples.lightning_digits import LightningDigitsConfig, digits_module, digits_trainer
+from ddpkit.examples.retrieval import BalancedBatchSampler, EmbeddingNet
+from ddpkit.integrations.lightning import ExtractorModuleDDP, ModuleDDP, PairwiseModuleDDP, PairwiseScorer
+from ddpkit.metric_learning import distances, precision_at_1
+from ddpkit.testing import run_parallel
+
+CONFIG = LightningDigitsConfig(epochs=2, val_batch_size=50)
+
+
+class _Record(pl.Callback):
+    """The dataset indices of every batch each rank ran, per epoch (batches carry their indices third)."""
+
+    def __init__(self) -> None:
+        self.train: dict[int, list[list[int]]] = {}
+        self.val: dict[int, list[int]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, _: int) -> None:
+        self.train.setdefault(trainer.current_epoch, []).append(batch[2].tolist())
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, _: int, __: int = 0
+    ) -> None:
+        self.val.setdefault(trainer.current_epoch, []).extend(batch[2].tolist())
+
+
+def _indexed(dataset: TensorDataset) -> TensorDataset:
+    images, labels = dataset.tensors
+    return TensorDataset(images, labels, torch.arange(len(labels)))
+
+
+def _fit(task: str, devices: int) -> dict[str, Any]:
+    """Fit ``task``'s digits module with loaders whose batches carry their indices; what each rank saw."""
+    module = digits_module(task, CONFIG)  # type: ignore[arg-type]
+    train, val = module.loaders_train, module.loaders_val
+    assert isinstance(train, DataLoader)
+    assert isinstance(val, DataLoader)
+    module.loaders_train = DataLoader(_indexed(train.dataset), batch_sampler=train.batch_sampler)  # type: ignore[arg-type]
+    module.loaders_val = DataLoader(_indexed(val.dataset), batch_size=val.batch_size)  # type: ignore[arg-type]
+    record = _Record()
+    trainer = digits_trainer(devices, CONFIG.epochs, callbacks=[record])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on loader workers and deprecations
+        trainer.fit(module)
+    model = module.extractor if task == "extractor" else module.pairwise_model
+    assert model is not None
+    return {
+        "train": record.train,
+        "val": record.val,
+        "metrics": dict(module.validation_metrics),
+        "logged": {name: float(value) for name, value in trainer.callback_metrics.items()},
+        "weights": {name: tensor.clone() for name, tensor in model.state_dict().items()},
+        "world_size": trainer.world_size,
+        "strategy": type(trainer.strategy).__name__,
+    }
+
+
+def _expected_epochs(train_labels: torch.Tensor) -> list[list[list[int]]]:
+    """Each epoch's batches of the P x K sampler as one process draws them (the wrapper seeds it with the epoch)."""
+    return [
+        list(
+            BalancedBatchSampler(
+                train_labels,
+                CONFIG.classes_per_batch,
+                CONFIG.samples_per_class,
+                generator=torch.Generator().manual_seed(epoch),
+            )
+        )
+        for epoch in range(CONFIG.epochs)
+    ]
+
+
+def _check_sharding(ranks: list[dict[str, Any]]) -> None:
+    train, val = digits_datasets(seed=CONFIG.seed)
+    for epoch, batches in enumerate(_expected_epochs(train.tensors[1])):
+        assert len(batches) % 2 == 0  # 44 batches: no padding, so each batch is run exactly once
+        assert [r["train"][epoch] for r in ranks] == [batches[0::2], batches[1::2]], f"epoch {epoch}"
+    n = len(val)  # 359: odd, so the last rank's shard is padded with one duplicate
+    for epoch in range(CONFIG.epochs):
+        seen = [r["val"][epoch] for r in ranks]
+        assert [len(s) for s in seen] == [(n + 1) // 2] * 2
+        assert sorted(seen[0] + seen[1]) == sorted([*range(n), 0])
+
+
+@pytest.mark.timeout(240)
+def test_extractor_module_shards_the_batch_sampler_and_logs_exact_precision_at_1() -> None:
+    ranks = run_parallel(_fit, "extractor", 2, world_size=2, timeout=180)
+    assert [(r["world_size"], r["strategy"]) for r in ranks] == [(2, "DDPStrategy")] * 2
+    _check_sharding(ranks)
+    weights = ranks[0]["weights"]
+    assert all(torch.equal(weights[k], ranks[1]["weights"][k]) for k in weights), "DDP kept the ranks in step"
+    # A single-process evaluation of the final weights over the whole validation split.
+    _, val = digits_datasets(seed=CONFIG.seed)
+    extractor = EmbeddingNet()
+    extractor.load_state_dict(weights)
+    with torch.no_grad():
+        expected = precision_at_1(extractor(val.tensors[0]), val.tensors[1])
+    assert [r["metrics"]["precision_at_1"] for r in ranks] == [expected, expected]
+    assert [r["logged"]["precision_at_1"] for r in ranks] == [float(torch.tensor(expected))] * 2
+    assert expected > 0.9, "the extractor learned"
+
+
+def _rerank_one_process(scorer: PairwiseScorer, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """Correct top-1 answers before and after re-ranking, one query at a time."""
+    before = after = 0
+    for query in range(len(labels)):
+        gaps = distances(embeddings[query : query + 1], embeddings)[0]
+        gaps[query] = float("inf")
+        candidates = gaps.topk(CONFIG.top_n, largest=False).indices
+        with torch.no_grad():
+            scores = scorer(embeddings[query].expand(CONFIG.top_n, -1), embeddings[candidates])
+        before += int(labels[candidates[0]] == labels[query])
+        after += int(labels[candidates[scores.argmax()]] == labels[query])
+    return before, after
+
+
+@pytest.mark.timeout(240)
+def test_pairwise_module_reports_exact_precision_before_and_after_reranking() -> None:
+    ranks = run_parallel(_fit, "pairwise", 2, world_size=2, timeout=180)
+    _check_sharding(ranks)
+    _, val = digits_datasets(seed=CONFIG.seed)
+    scorer = PairwiseScorer(dim=64)
+    scorer.load_state_dict(ranks[0]["weights"])
+    before, after = _rerank_one_process(scorer, val.tensors[0], val.tensors[1])
+    n = len(val)
+    expected = {"precision_at_1_before": before / n, "precision_at_1_after": after / n}
+    assert [r["metrics"] for r in ranks] == [expected, expected]
+    for name, value in expected.items():
+        assert [r["logged"][name] for r in ranks] == [float(torch.tensor(value))] * 2
+
+
+def test_one_process_uses_the_loaders_as_given_without_warnings() -> None:
+    config = replace(CONFIG, epochs=1)
+    module = digits_module("extractor", config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = module.train_dataloader()
+    assert loader is module.loaders_train
+    assert not [w for w in caught if "ddpkit" in str(w.filename) or w.category.__name__ == "WarningDDP"]
+
+
+def test_module_ddp_refuses_missing_or_wrong_loaders() -> None:
+    with pytest.raises(ValueError, match=r"needs its loaders: pass loaders_train=.*both are None"):
+        ModuleDDP()
+    with pytest.raises(
+        TypeError, match=r"loaders_val must be a DataLoader or a list or tuple of DataLoaders; got list"
+    ):
+        ModuleDDP(loaders_val=[DataLoader(range(3)), "not a loader"])  # type: ignore[list-item]
+    only_val = ModuleDDP(loaders_val=(DataLoader(range(3)), DataLoader(range(4))))
+    assert only_val.val_dataloader() == list(only_val.loaders_val)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="created with loaders_train=None, so it cannot be trained"):
+        only_val.train_dataloader()
+    assert ModuleDDP(loaders_train=DataLoader(range(3))).val_dataloader() == []
+    with pytest.raises(ValueError, match="top_n=0 must be >= 1"):
+        PairwiseModuleDDP(PairwiseScorer(4), torch.optim.SGD(PairwiseScorer(4).parameters(), lr=0.1), top_n=0)
+
+
+def test_batches_of_another_shape_are_named() -> None:
+    extractor = EmbeddingNet()
+    module = ExtractorModuleDDP(
+        extractor, None, torch.optim.SGD(extractor.parameters(), lr=0.1), loaders_train=DataLoader(range(3))
+    )
+    assert module.unpack({"input_tensors": 1, "labels": 2}) == (1, 2)
+    assert module.unpack((1, 2, 3)) == (1, 2)
+    with pytest.raises(TypeError, match=r"dict with keys 'input_tensors' and 'labels'.*got Tensor"):
+        module.unpack(torch.zeros(3))
+
+
+def test_the_core_package_imports_without_lightning() -> None:
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('lightning', 'pytorch_lightning'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import ddpkit, ddpkit.cli, ddpkit.examples.demo, ddpkit.examples.retrieval, ddpkit.integrations\n"
+        "assert not [m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning'))]\n"
+        "try:\n"
+        "    import ddpkit.integrations.lightning\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "needs Lightning 2.x, which is not installed: pip install 'ddpkit[lightning]'" in done.stdout
