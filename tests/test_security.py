@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -124,8 +125,12 @@ def test_a_port_held_by_a_peer_store_is_shared_when_peers_may_hold_it() -> None:
     assert serve_on_loopback("10.1.2.3", 29500) is None, "not loopback: torch's own server, for remote peers"
     port = serve_on_loopback("localhost", 0)
     assert port is not None
-    assert serve_on_loopback("127.0.0.1", port) == port, "idempotent within a process"
+    assert serve_on_loopback("127.0.0.1", port) == port, "a second holder within a process"
     release_loopback_store(port)
+    assert ("127.0.0.1", port) in listening_sockets([os.getpid()]), "the first holder still needs it"
+    release_loopback_store(port)
+    gc.collect()
+    assert ("127.0.0.1", port) not in listening_sockets([os.getpid()]), "the last holder stops it"
 
 
 # --- pickles ------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ it instead of binding all interfaces.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import ipaddress
 import socket
@@ -29,14 +30,16 @@ __all__ = ["IfTaken", "release_loopback_store", "serve_on_loopback"]
 IfTaken = Literal["raise", "peer", "torch"]
 
 _LOCK = threading.Lock()
-#: The servers this process hosts, by port (kept alive until released).
-_SERVERS: dict[int, TCPStore] = {}
+#: The servers this process hosts, by port, with how many holders have not released them yet.
+_SERVERS: dict[int, tuple[TCPStore, int]] = {}
 
 
 def serve_on_loopback(host: str, port: int, *, if_taken: IfTaken = "raise", timeout: float = 300.0) -> int | None:
     """Host a multi-tenant store server on ``host``'s loopback address and ``port`` (0: a free port).
 
-    Idempotent per port within a process. Returns the port it listens on, or
+    Within a process, each call for a port already served adds a holder; the
+    server stops when every holder has called :func:`release_loopback_store`,
+    or at interpreter exit. Returns the port it listens on, or
     ``None`` when ``host`` is not a loopback name (then torch's own server,
     listening on every interface, is what remote peers need) or when the port is
     held already and ``if_taken`` allows it.
@@ -58,6 +61,8 @@ def serve_on_loopback(host: str, port: int, *, if_taken: IfTaken = "raise", time
         return None
     with _LOCK:
         if port and port in _SERVERS:
+            server, holders = _SERVERS[port]
+            _SERVERS[port] = (server, holders + 1)
             return port
         family, address = _loopback_address(host)
         listener = socket.socket(family, socket.SOCK_STREAM)
@@ -87,15 +92,29 @@ def serve_on_loopback(host: str, port: int, *, if_taken: IfTaken = "raise", time
             timeout=timedelta(seconds=timeout),
             master_listen_fd=listener.detach(),  # the store owns the socket from here on
         )
-        _SERVERS[bound] = server
+        if not _SERVERS:
+            atexit.register(_release_all)
+        _SERVERS[bound] = (server, 1)
         return bound
 
 
 def release_loopback_store(port: int | None) -> None:
-    """Stop hosting the server on ``port`` (it closes once torch's own handles are gone too)."""
+    """Drop one holder of the server on ``port``; the last one stops hosting it (it closes once torch's own
+    handles are gone too)."""
     with _LOCK:
-        if port is not None:
-            _SERVERS.pop(port, None)
+        if port is None or port not in _SERVERS:
+            return
+        server, holders = _SERVERS[port]
+        if holders > 1:
+            _SERVERS[port] = (server, holders - 1)
+        else:
+            del _SERVERS[port]
+
+
+def _release_all() -> None:
+    """At exit, stop the servers while the interpreter is whole, not during its teardown."""
+    with _LOCK:
+        _SERVERS.clear()
 
 
 def _loopback_address(host: str) -> tuple[socket.AddressFamily, str]:

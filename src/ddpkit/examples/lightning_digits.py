@@ -31,7 +31,7 @@ from ddpkit.examples.digits import digits_datasets
 from ddpkit.examples.retrieval import BalancedBatchSampler, EmbeddingNet
 from ddpkit.integrations.lightning import ExtractorModuleDDP, PairwiseModuleDDP, PairwiseScorer
 from ddpkit.launch import launch, scheduler_environment
-from ddpkit.process_group import seed_everything
+from ddpkit.process_group import is_distributed, seed_everything
 
 __all__ = ["LightningDigitsConfig", "Task", "digits_module", "digits_trainer", "main", "train_digits"]
 
@@ -91,7 +91,8 @@ def digits_module(task: Task, config: LightningDigitsConfig) -> ExtractorModuleD
 
 
 def digits_trainer(devices: int, epochs: int, **kwargs: Any) -> pl.Trainer:
-    """A quiet CPU ``Trainer``: ``strategy="ddp"`` with ``use_distributed_sampler=False`` for ``devices`` > 1.
+    """A quiet CPU ``Trainer``: ``strategy="ddp"`` with ``use_distributed_sampler=False`` for ``devices`` > 1
+    or inside a process group.
 
     No logger, checkpoints, progress bar, model summary or sanity check;
     ``kwargs`` override any ``Trainer`` argument.
@@ -99,7 +100,8 @@ def digits_trainer(devices: int, epochs: int, **kwargs: Any) -> pl.Trainer:
     options: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": devices,
-        "strategy": "ddp" if devices > 1 else "auto",
+        # DDP also for one process inside a process group (`-n 1`), so that Lightning syncs what it logs.
+        "strategy": "ddp" if devices > 1 or is_distributed() else "auto",
         "use_distributed_sampler": False,
         "max_epochs": epochs,
         "logger": False,
@@ -140,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if 0 in results:  # rank 0 of this node (under a scheduler: only the task with rank 0)
         metrics = "  ".join(f"{name} {value:.4f}" for name, value in sorted(results[0].items()))
         print(
-            f"lightning {args.task}: {devices} processes (gloo), {config.epochs} epochs, "
+            f"lightning {args.task}: {devices} process{'es' if devices != 1 else ''} (gloo), {config.epochs} epochs, "
             f"{time.perf_counter() - started:.1f} s; {metrics}"
         )
 
