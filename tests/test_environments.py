@@ -153,6 +153,34 @@ def test_slurm_finds_the_node_without_slurm_nodeid() -> None:
     assert SLURMEnvironment({**env, "SLURM_JOB_NODELIST": "gpu003"}).node_rank() == 0
 
 
+@pytest.mark.parametrize(
+    ("variables", "tasks_here"),
+    [
+        ({"SLURM_TASKS_PER_NODE": "4(x2)"}, 4),
+        ({"SLURM_TASKS_PER_NODE": "5,3"}, 3),  # this task is on node 1
+        ({"SLURM_STEP_TASKS_PER_NODE": "2,6", "SLURM_TASKS_PER_NODE": "4(x2)"}, 6),  # the step's own layout wins
+        ({"SLURM_NTASKS_PER_NODE": "4"}, 4),  # set only with --ntasks-per-node
+        ({"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NTASKS_PER_NODE": "3"}, 4),
+        ({"SLURM_JOB_NODELIST": "gpu003", "SLURM_NODEID": "0"}, 8),  # one host: every task is on it
+        ({}, None),  # two hosts and no per-node count: unknown
+        ({"SLURM_TASKS_PER_NODE": "2(x2)"}, None),  # SLURM_LOCALID=2 contradicts it: unknown, not wrong
+        ({"SLURM_TASKS_PER_NODE": "four"}, None),
+    ],
+)
+def test_slurm_knows_how_many_tasks_share_this_node(variables: dict[str, str], tasks_here: int | None) -> None:
+    assert SLURMEnvironment({**SLURM, **variables}).local_world_size() == tasks_here
+
+
+def test_local_world_size_of_the_other_environments() -> None:
+    assert TorchElasticEnvironment(TORCHRUN).local_world_size() == 4
+    assert MPIEnvironment(OPEN_MPI).local_world_size() == 4
+    assert LocalEnvironment({}).local_world_size() == 1
+    assert LocalEnvironment({"RANK": "1", "WORLD_SIZE": "2"}).local_world_size() is None
+    assert LocalEnvironment({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}).local_world_size() == 2
+    with pytest.raises(ClusterEnvironmentError, match=r"LOCAL_WORLD_SIZE=6 must not exceed WORLD_SIZE=4"):
+        LocalEnvironment({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "6"})
+
+
 def test_slurm_is_not_detected_in_an_interactive_allocation() -> None:
     assert SLURMEnvironment.detect(SLURM)
     assert not SLURMEnvironment.detect({**SLURM, "SLURM_JOB_NAME": "bash"})
@@ -398,5 +426,6 @@ def test_as_dict_is_json_and_names_the_environment() -> None:
         "global_rank": 6,
         "local_rank": 2,
         "node_rank": 1,
+        "local_world_size": None,
         "creates_processes_externally": True,
     }

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import WorkerFailedError, launch
+from ddpkit.launch import _limit_threads
 from tests.conftest import alive
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
@@ -66,6 +67,7 @@ def test_launch_returns_each_ranks_result_and_restores_the_caller() -> None:
     weights = torch.zeros(2)
     results = launch(_report, 1, weights, nprocs=2, scale=10)
     cores = len(os.sched_getaffinity(0))
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, cores // 2))  # an exported OMP_NUM_THREADS wins
     assert weights.tolist() == [0.0, 0.0]
     assert results == {
         rank: {
@@ -73,7 +75,7 @@ def test_launch_returns_each_ranks_result_and_restores_the_caller() -> None:
             "rank": rank,
             "world_size": 2,
             "sum": 31.0,
-            "threads": max(1, cores // 2),
+            "threads": threads,
             "gloo_interface": "lo",
         }
         for rank in (0, 1)
@@ -140,3 +142,19 @@ def test_a_script_without_a_main_guard_gets_the_fix(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
     with pytest.raises(RuntimeError, match=r'if __name__ == "__main__":'):
         launch(_report, 0, nprocs=2, scale=1)
+
+
+def test_threads_are_shared_among_the_processes_of_a_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    before = torch.get_num_threads()
+    try:
+        assert _limit_threads(4) == 2
+        assert _limit_threads(3) == 2
+        assert _limit_threads(16) == 1, "never fewer than one thread"
+        torch.set_num_threads(3)
+        assert _limit_threads(None) == 3, "an unknown local world size leaves torch's setting alone"
+        monkeypatch.setenv("OMP_NUM_THREADS", "5")
+        assert _limit_threads(1) == 3, "OMP_NUM_THREADS wins: torch already read it"
+    finally:
+        torch.set_num_threads(before)

@@ -129,6 +129,11 @@ def launch(
     unchanged (the scheduler stops the other tasks: use ``srun
     --kill-on-bad-exit=1``).
 
+    Threads: each worker (or scheduler task) uses ``cores // processes on its
+    node`` intra-op threads, unless ``OMP_NUM_THREADS`` is set. Results are
+    bit-identical between runs with the same world size, thread count and
+    hardware; a different thread count changes the last bits of sums.
+
     Returns:
         ``{global rank: fn's return value}`` for this node's workers (under a
         scheduler: for this process).
@@ -240,6 +245,7 @@ def run_script(
         from ddpkit._script_runner import run_target
 
         _warn_ignored_nprocs(scheduler, nprocs)
+        _limit_threads(scheduler.local_world_size())
         os.environ.update(_torchrun_variables(scheduler))
         run_target(script, list(script_args), as_module=module)
         return
@@ -290,6 +296,7 @@ def _run_in_this_task(
 ) -> dict[int, Any]:
     """:func:`launch` as one of a scheduler's tasks: group up, run ``fn`` once, group down."""
     _warn_ignored_nprocs(env, nprocs)
+    _limit_threads(env.local_world_size())
     spec, args = pickle.loads(_pickled(spec, args))  # its own copy, as a spawned worker has
     options: dict[str, Any] = {} if spec.timeout is None else {"timeout": spec.timeout}
     init_dist_connection(env, spec.backend, **options)
@@ -336,10 +343,11 @@ def _worker_entry(payload: str | tuple[_WorkerSpec, tuple[Any, ...]]) -> Any:
         spec, args = payload
     parent = multiprocessing.parent_process()
     die_with_parent(parent.pid if parent is not None else None)
-    _limit_threads()
+    env = TorchElasticEnvironment()
+    _limit_threads(env.local_world_size())
     options: dict[str, Any] = {} if spec.timeout is None else {"timeout": spec.timeout}
     try:
-        init_dist_connection(TorchElasticEnvironment(), spec.backend, **options)
+        init_dist_connection(env, spec.backend, **options)
         result = spec.fn(*args, **spec.kwargs)
         # Rank 0 hosts this attempt's store: keep it up until every rank is done.
         barrier()
@@ -351,13 +359,22 @@ def _worker_entry(payload: str | tuple[_WorkerSpec, tuple[Any, ...]]) -> Any:
         destroy_dist_connection()
 
 
-def _limit_threads() -> None:
-    """Share the CPU cores among this node's workers, unless OMP_NUM_THREADS says otherwise."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+def _limit_threads(local_world_size: int | None) -> int:
+    """Share this node's CPU cores among the job's ``local_world_size`` processes on it.
+
+    Sets ``torch.set_num_threads(max(1, cores // local_world_size))``, where
+    ``cores`` are the cores this process may run on, unless ``OMP_NUM_THREADS``
+    is set (it wins) or the local world size is unknown (``None``: torch's
+    default is kept). The thread count changes the last bits of floating-point
+    sums, so bit-identical runs need the same count.
+
+    Returns:
+        The number of intra-op threads torch uses afterwards.
+    """
+    if not os.environ.get("OMP_NUM_THREADS") and local_world_size is not None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // max(1, local_world_size)))
+    return torch.get_num_threads()
 
 
 # --- in the launching process -----------------------------------------------------------

@@ -28,6 +28,9 @@ class ClusterSettings:
         global_rank: this process's rank in ``[0, world_size)``.
         local_rank: this process's rank on its node.
         node_rank: index of this process's node.
+        local_world_size: number of this job's processes on this node, or
+            ``None`` when the variables do not say (used to share the node's
+            CPU cores among them).
     """
 
     master_addr: str
@@ -36,6 +39,7 @@ class ClusterSettings:
     global_rank: int
     local_rank: int
     node_rank: int
+    local_world_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -50,6 +54,11 @@ class ClusterSettings:
             raise ClusterEnvironmentError(f"node rank {self.node_rank} is outside [0, world size {self.world_size})")
         if not 0 <= self.master_port < 65536:
             raise ClusterEnvironmentError(f"master port {self.master_port} is outside [0, 65535]")
+        if self.local_world_size is not None and not self.local_rank < self.local_world_size <= self.world_size:
+            raise ClusterEnvironmentError(
+                f"local world size {self.local_world_size} must be in (local rank {self.local_rank}, "
+                f"world size {self.world_size}]"
+            )
 
 
 class ClusterEnvironment(ABC):
@@ -114,6 +123,10 @@ class ClusterEnvironment(ABC):
     def node_rank(self) -> int:
         """Index of this process's node."""
         return self.settings.node_rank
+
+    def local_world_size(self) -> int | None:
+        """Number of this job's processes on this node; ``None`` when the environment does not say."""
+        return self.settings.local_world_size
 
     def as_dict(self) -> dict[str, Any]:
         """The environment as plain data (what ``ddpkit env`` prints)."""

@@ -48,4 +48,5 @@ class KubeflowEnvironment(ClusterEnvironment):
             global_rank=rank,
             local_rank=0,
             node_rank=rank,
+            local_world_size=1,
         )

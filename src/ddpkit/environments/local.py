@@ -69,6 +69,7 @@ class LocalEnvironment(ClusterEnvironment):
             global_rank=rank,
             local_rank=local_rank,
             node_rank=int_var(env, "NODE_RANK", 0),
+            local_world_size=_local_world_size(env, local_rank, world_size),
         )
 
     @property
@@ -91,3 +92,14 @@ class LocalEnvironment(ClusterEnvironment):
         if self._chosen_port is None:
             self._chosen_port = find_free_port()
         return self._chosen_port
+
+
+def _local_world_size(env: Mapping[str, str], local_rank: int, world_size: int) -> int | None:
+    """``LOCAL_WORLD_SIZE`` when set and consistent; 1 for a lone process; else unknown."""
+    if not env.get("LOCAL_WORLD_SIZE", "").strip():
+        return 1 if world_size == 1 else None
+    value = int_var(env, "LOCAL_WORLD_SIZE")
+    check_below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", value)
+    if value > world_size:
+        raise ClusterEnvironmentError(f"LOCAL_WORLD_SIZE={value} must not exceed WORLD_SIZE={world_size}")
+    return value

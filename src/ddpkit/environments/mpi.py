@@ -91,6 +91,7 @@ class MPIEnvironment(ClusterEnvironment):
             global_rank=rank,
             local_rank=local_rank,
             node_rank=rank // local_size,
+            local_world_size=local_size,
         )
 
 

@@ -33,7 +33,9 @@ class SLURMEnvironment(ClusterEnvironment):
     ``SLURM_JOB_NODELIST`` (or ``SLURM_NODELIST``), bracket ranges such as
     ``node[001-004,007]`` included. The master port is ``MASTER_PORT`` if set,
     else ``15000`` plus the last four digits of ``SLURM_JOB_ID``, so that every
-    task of the job derives the same port.
+    task of the job derives the same port. The tasks on this node (which share
+    its CPU cores) come from ``SLURM_STEP_TASKS_PER_NODE`` or
+    ``SLURM_TASKS_PER_NODE`` (``"2(x3),1"``), else ``SLURM_NTASKS_PER_NODE``.
     """
 
     name = "slurm"
@@ -76,7 +78,35 @@ class SLURMEnvironment(ClusterEnvironment):
             raise ClusterEnvironmentError(
                 "the SLURM environment is half-set: neither SLURM_JOB_ID nor MASTER_PORT is set; " + fix
             )
-        return ClusterSettings(master_addr, master_port, world_size, rank, local_rank, node_rank)
+        local_world_size = _tasks_on_this_node(env, node_rank, len(hosts), world_size)
+        if local_world_size is not None and not local_rank < local_world_size <= world_size:
+            local_world_size = None  # contradicts SLURM_LOCALID: unknown rather than wrong
+        return ClusterSettings(master_addr, master_port, world_size, rank, local_rank, node_rank, local_world_size)
+
+
+def _tasks_on_this_node(env: Mapping[str, str], node_rank: int, hosts: int, world_size: int) -> int | None:
+    """This node's task count: from ``SLURM_STEP_TASKS_PER_NODE`` or ``SLURM_TASKS_PER_NODE`` (``"2(x3),1"``,
+    one count per node), else ``SLURM_NTASKS_PER_NODE``, else all tasks when the job has one host; else ``None``."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        counts = _expand_tasks_per_node(env.get(name, ""))
+        if counts is not None and node_rank < len(counts):
+            return counts[node_rank]
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "").strip()
+    if per_node.isdigit() and int(per_node) > 0:
+        return int(per_node)
+    return world_size if hosts == 1 else None
+
+
+def _expand_tasks_per_node(value: str) -> list[int] | None:
+    """``"2(x3),1"`` -> ``[2, 2, 2, 1]``; ``None`` when unset or not in that form."""
+    counts: list[int] = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        count, _, repeat = item.partition("(x")
+        repeat = repeat.rstrip(")") if repeat else "1"
+        if not (count.isdigit() and repeat.isdigit()) or int(count) < 1:
+            return None
+        counts += [int(count)] * int(repeat)
+    return counts or None
 
 
 def _node_rank(env: Mapping[str, str], hosts: list[str], nodelist_var: str) -> int:

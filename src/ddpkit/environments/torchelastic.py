@@ -52,4 +52,5 @@ class TorchElasticEnvironment(ClusterEnvironment):
             global_rank=rank,
             local_rank=local_rank,
             node_rank=int_var(env, "GROUP_RANK"),
+            local_world_size=local_world_size,
         )
