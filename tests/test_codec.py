@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pathlib
 import pickle
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,14 @@ class Point:  # a user's own class: not sent without pickle
 
     def __hash__(self) -> int:
         return self.x
+
+
+def test_paths_travel_without_pickle_and_keep_their_type() -> None:
+    """OML's sync_dicts_ddp pickles lists of paths; here they travel as text, pickle-free."""
+    paths = [pathlib.Path("images/1.jpg"), pathlib.PurePosixPath("/data"), pathlib.PureWindowsPath(r"C:\\x\\y.png")]
+    back = unpack(pack({"paths": paths, "by_path": {pathlib.Path("k"): 1}}))
+    assert back == {"paths": paths, "by_path": {pathlib.Path("k"): 1}}
+    assert [type(p) for p in back["paths"]] == [type(p) for p in paths]
 
 
 def test_other_objects_need_allow_pickle_and_the_error_says_where() -> None:

@@ -148,3 +148,24 @@ def test_a_sampler_that_is_not_sharded_by_the_handler_is_kept() -> None:
 def test_a_rank_outside_the_world_is_refused(rank: int) -> None:
     with pytest.raises(ValueError, match=f"rank={rank} must be in \\[0, num_replicas=2\\)"):
         DDPHandler(_loop()).add_distributed_samplers(2, rank)
+
+
+class _AitoolboxCallbacksHandler:
+    """aitoolbox's handler: ``register_callbacks(callbacks, cache_callbacks=False, print_callbacks=False)``
+    iterates over a list."""
+
+    def __init__(self) -> None:
+        self.registered: list[Any] = []
+
+    def register_callbacks(self, callbacks: Any, cache_callbacks: bool = False, print_callbacks: bool = False) -> None:
+        for callback in callbacks:
+            self.registered.append(callback)
+
+
+def test_the_callback_reaches_an_aitoolbox_callbacks_handler_as_a_list() -> None:
+    loop = _loop()
+    aitoolbox_handler = _AitoolboxCallbacksHandler()
+    loop.callbacks_handler = aitoolbox_handler  # type: ignore[assignment]
+    handler = DDPHandler(loop)
+    handler.add_distributed_samplers(2, 1)
+    assert aitoolbox_handler.registered == [handler.callback]

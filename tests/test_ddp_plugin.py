@@ -88,7 +88,7 @@ def test_single_process_helpers() -> None:
     assert plugin.optimizer_state(optimizer) == optimizer.state_dict()
     assert plugin.on_after_setup_optimizers(None) is None
     assert plugin.on_after_manual_backward(nn.Linear(1, 1)) is None
-    assert plugin.distributed_sampler_kwargs({"shuffle": True}) == {"shuffle": True, "num_replicas": 1, "rank": 0}
+    assert plugin.distributed_sampler_kwargs({"shuffle": True}) == {"shuffle": True}
     assert plugin.data_parallel_group is None
     with plugin.block_backward_sync(nn.Linear(1, 1)):
         pass  # a plain module: nothing to block
@@ -170,7 +170,7 @@ def test_configure_ddp_forwards_the_constructor_arguments() -> None:
     )
     assert rank0["kwargs"] == {"broadcast_buffers": False, "bucket_cap_mb": 1, "find_unused_parameters": False}
     assert rank0["unwrapped"] == "Net"
-    assert rank1["sampler"] == {"rank": 5, "num_replicas": 2}, "given values are kept, the rest filled in"
+    assert rank1["sampler"] == {"rank": 5}, "Lightning 1.x's plugin returns its input as it is"
     assert (rank1["group"], rank1["single"]) == (True, False)
 
 

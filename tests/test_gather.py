@@ -139,18 +139,30 @@ def test_all_gather_grad_sums_every_ranks_gradient_for_this_ranks_slice(world_si
     assert results == [[(k + 1) * total] * 3 for k in range(world_size)]
 
 
-def test_without_a_process_group() -> None:
+def test_without_a_process_group_the_tensor_comes_back_as_it_is() -> None:
+    """Lightning's ``all_gather_ddp_if_available`` returns its input when nothing is distributed."""
     tensor = torch.arange(3.0, requires_grad=True)
     (only,) = gather_all_tensors(tensor)
-    assert torch.equal(only, tensor)
-    assert not only.requires_grad
-    plain = all_gather_ddp_if_available(tensor)
-    assert plain.shape == (1, 3)
-    assert not plain.requires_grad
+    assert only is tensor
+    assert all_gather_ddp_if_available(tensor) is tensor
     with_grad = all_gather_ddp_if_available(tensor, sync_grads=True)
     with_grad.sum().backward()
     assert tensor.grad is not None
     assert tensor.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+def _local_graph() -> tuple[bool, list[float], bool]:
+    rank = dist.get_rank()
+    x = torch.arange(3.0, requires_grad=True)
+    gathered = gather_all_tensors(x * (rank + 1))
+    (grad,) = torch.autograd.grad(gathered[rank].sum(), x)  # torchmetrics' and Lightning's keep this graph
+    others = [t.requires_grad for r, t in enumerate(gathered) if r != rank]
+    return gathered[rank].requires_grad, grad.tolist(), any(others)
+
+
+def test_this_ranks_entry_keeps_its_autograd_graph() -> None:
+    for rank, (requires_grad, grad, others) in enumerate(run_parallel(_local_graph)):
+        assert (requires_grad, grad, others) == (True, [rank + 1.0] * 3, False)
 
 
 def _cuda_round_trip() -> tuple[str, ...]:

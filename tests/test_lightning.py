@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ddpkit import DDPSamplerWrapper
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.examples.lightning_digits import LightningDigitsConfig, digits_module, digits_trainer
 from ddpkit.examples.retrieval import BalancedBatchSampler, EmbeddingNet
@@ -68,27 +69,23 @@ def _fit(task: str, devices: int) -> dict[str, Any]:
         "weights": {name: tensor.clone() for name, tensor in model.state_dict().items()},
         "world_size": trainer.world_size,
         "strategy": type(trainer.strategy).__name__,
+        "base_seed": getattr(module.patched_train_loaders[0].batch_sampler, "base_seed", None),
     }
 
 
-def _expected_epochs(train_labels: torch.Tensor) -> list[list[list[int]]]:
-    """Each epoch's batches of the P x K sampler as one process draws them (the wrapper seeds it with the epoch)."""
-    return [
-        list(
-            BalancedBatchSampler(
-                train_labels,
-                CONFIG.classes_per_batch,
-                CONFIG.samples_per_class,
-                generator=torch.Generator().manual_seed(epoch),
-            )
-        )
-        for epoch in range(CONFIG.epochs)
-    ]
+def _expected_epochs(train_labels: torch.Tensor, base_seed: int) -> list[list[list[int]]]:
+    """Each epoch's batches of the P x K sampler as one process draws them: a one-rank wrapper with the same
+    base seed (the ranks share rank 0's)."""
+    sampler = BalancedBatchSampler(train_labels, CONFIG.classes_per_batch, CONFIG.samples_per_class)
+    wrapper = DDPSamplerWrapper(sampler, shuffle_samples_between_gpus=False)
+    wrapper.base_seed = base_seed
+    return [list(wrapper) for _ in range(CONFIG.epochs)]
 
 
 def _check_sharding(ranks: list[dict[str, Any]]) -> None:
     train, val = digits_datasets(seed=CONFIG.seed)
-    for epoch, batches in enumerate(_expected_epochs(train.tensors[1])):
+    assert ranks[0]["base_seed"] == ranks[1]["base_seed"] is not None
+    for epoch, batches in enumerate(_expected_epochs(train.tensors[1], ranks[0]["base_seed"])):
         assert len(batches) % 2 == 0  # 44 batches: no padding, so each batch is run exactly once
         assert [r["train"][epoch] for r in ranks] == [batches[0::2], batches[1::2]], f"epoch {epoch}"
     n = len(val)  # 359: odd, so the last rank's shard is padded with one duplicate
@@ -168,14 +165,12 @@ def test_module_ddp_refuses_missing_or_wrong_loaders() -> None:
         only_val.train_dataloader()
     assert ModuleDDP(loaders_train=DataLoader(range(3))).val_dataloader() == []
     with pytest.raises(ValueError, match="top_n=0 must be >= 1"):
-        PairwiseModuleDDP(PairwiseScorer(4), torch.optim.SGD(PairwiseScorer(4).parameters(), lr=0.1), top_n=0)
+        PairwiseModuleDDP(DataLoader(range(3)), pairwise_model=PairwiseScorer(4), top_n=0)
 
 
 def test_batches_of_another_shape_are_named() -> None:
     extractor = EmbeddingNet()
-    module = ExtractorModuleDDP(
-        extractor, None, torch.optim.SGD(extractor.parameters(), lr=0.1), loaders_train=DataLoader(range(3))
-    )
+    module = ExtractorModuleDDP(DataLoader(range(3)), extractor=extractor)
     assert module.unpack({"input_tensors": 1, "labels": 2}) == (1, 2)
     assert module.unpack((1, 2, 3)) == (1, 2)
     with pytest.raises(TypeError, match=r"dict with keys 'input_tensors' and 'labels'.*got Tensor"):
@@ -200,3 +195,146 @@ def test_the_core_package_imports_without_lightning() -> None:
     done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "needs Lightning 2.x, which is not installed: pip install 'ddpkit[lightning]'" in done.stdout
+
+
+# --- OML's signatures and dict batches ----------------------------------------------------------------
+
+
+class _FreezableExtractor(torch.nn.Module):
+    """OML's extractor interface: ``extract()`` for inference, ``freeze()``/``unfreeze()`` (IFreezable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.calls: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)  # type: ignore[no-any-return]
+
+    def extract(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self.fc(x)  # type: ignore[no-any-return]
+
+    def freeze(self) -> None:
+        self.calls.append("freeze")
+
+    def unfreeze(self) -> None:
+        self.calls.append("unfreeze")
+
+
+def test_extractor_module_takes_omls_arguments_positionally_and_by_keyword() -> None:
+    net = _FreezableExtractor()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    loader = DataLoader(range(3))
+    # OML 4.0's order: loaders, then ExtractorModule(extractor, criterion, optimizer, scheduler, scheduler_interval,
+    # scheduler_frequency, input_tensors_key, labels_key, embeddings_key, scheduler_monitor_metric, freeze_n_epochs)
+    module = ExtractorModuleDDP(loader, None, net, None, optimizer, scheduler, "epoch", 2, "x", "y", "emb", "m", 1)
+    assert module.model is module.extractor is net
+    assert (module.input_tensors_key, module.labels_key, module.embeddings_key) == ("x", "y", "emb")
+    assert module.configure_optimizers() == (
+        [optimizer], [{"scheduler": scheduler, "interval": "epoch", "frequency": 2}]
+    )  # fmt: skip
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    keywords = ExtractorModuleDDP(
+        loaders_train=loader, extractor=net, optimizer=optimizer, scheduler=plateau, scheduler_monitor_metric="m"
+    )
+    assert keywords.configure_optimizers()[1] == [{"scheduler": plateau, "interval": "step", "frequency": 1,
+                                                   "monitor": "m"}]  # fmt: skip
+    module.on_train_epoch_start()  # epoch 0 of freeze_n_epochs=1: frozen
+    assert net.calls == ["freeze"]
+    with pytest.raises(TypeError, match=r"OML's arguments, loaders first: ExtractorModuleDDP\(loaders_train, "):
+        ExtractorModuleDDP(net, None, optimizer)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"freeze_n_epochs=2 needs a model with freeze\(\) and unfreeze\(\)"):
+        ExtractorModuleDDP(loader, extractor=EmbeddingNet(), freeze_n_epochs=2)
+    with pytest.raises(ValueError, match="needs extractor="):
+        ExtractorModuleDDP(loader)
+
+
+def test_omls_dict_batches_train_and_validate_with_the_given_keys() -> None:
+    net = _FreezableExtractor()
+    seen: list[torch.Tensor] = []
+
+    def criterion(embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seen.append(labels)
+        return embeddings.pow(2).mean()
+
+    module = ExtractorModuleDDP(
+        DataLoader(range(3)), extractor=net, criterion=criterion, input_tensors_key="x", labels_key="y",
+        embeddings_key="emb",
+    )  # fmt: skip
+    batch = {"x": torch.ones(2, 4), "y": torch.tensor([0, 1]), "paths": ["a.jpg", "b.jpg"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = module.training_step(batch, 0)
+        output = module.validation_step(batch, 0)
+    assert loss.requires_grad
+    assert torch.equal(seen[0], batch["y"])
+    assert output.keys() == {"x", "y", "paths", "emb"}, "OML's validation output: the batch and its embeddings"
+    assert torch.equal(output["emb"], net.extract(batch["x"]).detach()), "extract(), as OML's validation_step"
+
+
+class _AllPairsMiner:
+    """OML's ``PairsMiner`` interface: ``sample(features, labels) -> (ids1, ids2, is_negative)``."""
+
+    def sample(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids1, ids2 = torch.triu_indices(len(labels), len(labels), 1)
+        return ids1, ids2, labels[ids1] != labels[ids2]
+
+
+class _GapModel(torch.nn.Module):
+    """OML's pairwise model interface, ``forward(x1, x2)``: a learned "is negative" score of two inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = torch.nn.Parameter(torch.ones(64))
+        self.bias = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return ((x1 - x2).pow(2) * self.weights).sum(-1) - self.bias - 4.0
+
+
+class _DictDigits(torch.utils.data.Dataset[dict[str, Any]]):
+    """OML-style items: inputs, labels and pre-computed embeddings (here the pixels themselves)."""
+
+    def __init__(self, dataset: TensorDataset) -> None:
+        self.images, self.labels = dataset.tensors
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        image = self.images[index]
+        return {"input_tensors": image, "labels": self.labels[index], "embeddings": image, "index": index}
+
+
+def _oml_pairwise_module() -> PairwiseModuleDDP:
+    train, val = digits_datasets(seed=0)
+    train_loader = DataLoader(_DictDigits(train), batch_sampler=BalancedBatchSampler(train.tensors[1], 4, 4))
+    model = _GapModel()
+    return PairwiseModuleDDP(
+        train_loader, DataLoader(_DictDigits(val), batch_size=64), model, _AllPairsMiner(), None,
+        torch.optim.SGD(model.parameters(), lr=0.01), top_n=3,
+    )  # fmt: skip
+
+
+def _fit_oml_pairwise() -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = _oml_pairwise_module()
+    trainer = digits_trainer(2, 1, limit_train_batches=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module)
+    return {"metrics": module.validation_metrics, "weights": dict(module.model.state_dict())}
+
+
+@pytest.mark.timeout(240)
+def test_omls_pairwise_module_with_a_pairs_miner_on_two_ranks_equals_one_process() -> None:
+    """OML's way: a miner on the embeddings, the model scoring inputs (x1=, x2=), criterion(pred, is_negative)."""
+    ranks = run_parallel(_fit_oml_pairwise, world_size=2, timeout=180)
+    module = _oml_pairwise_module()
+    module.model.load_state_dict(ranks[0]["weights"])
+    _, val = digits_datasets(seed=0)
+    images, labels = val.tensors
+    expected = module.split_metrics(images, labels, images)  # one process: every query here
+    assert [r["metrics"] for r in ranks] == [expected, expected]
+    assert expected["precision_at_1_before"] > 0.9

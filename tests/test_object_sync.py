@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,7 @@ def _mp(kind: str, **options: Any) -> Any:
         "strings": [f"path/{rank}/{i}.jpg" for i in range(rank + 1)],
         "tuple": (rank, rank),
         "matrix": torch.ones(rank + 1, 3) * rank,
+        "int_array": np.arange(rank + 1, dtype=np.int64) + rank,
     }[kind]
     result = mp_sync(data, **options)
     if isinstance(result, torch.Tensor):
@@ -135,18 +137,25 @@ def test_mp_sync_concatenates_uneven_lengths_in_rank_order_with_exact_dtypes() -
     assert run_parallel(_mp, "matrix")[1][2] == [[0.0] * 3, [1.0] * 3, [1.0] * 3]
 
 
-def test_mp_sync_wraps_python_data_as_the_seed_documents() -> None:
+def test_mp_sync_wraps_python_data_as_aitoolbox_does() -> None:
+    """aitoolbox wraps with ``torch.tensor(data)`` (dtype inferred) and applies ``.double()`` to any wrapped input."""
     assert run_parallel(_mp, "floats")[0][:2] == ("tensor", "torch.float32")
     doubles = run_parallel(_mp, "floats", double_precision=True)[0]
     assert doubles == ("tensor", "torch.float64", [0.1, 0.2, 0.2])
     assert run_parallel(_mp, "ints")[0] == ("tensor", "torch.int64", [2**40, 2**40 + 1])
     assert run_parallel(_mp, "scalar")[0] == ("tensor", "torch.float32", [0.5, 1.5])
+    assert run_parallel(_mp, "bools")[0] == ("tensor", "torch.bool", [True, True, False, True])
+    assert run_parallel(_mp, "bools", double_precision=True)[0] == ("tensor", "torch.float64", [1.0, 1.0, 0.0, 1.0])
+    assert run_parallel(_mp, "ints", double_precision=True)[0] == ("tensor", "torch.float64", [2.0**40, 2.0**40 + 1])
+    assert run_parallel(_mp, "int_array", double_precision=True)[0] == ("tensor", "torch.float64", [0.0, 1.0, 2.0])
+    assert run_parallel(_mp, "int_array")[0] == ("tensor", "torch.int64", [0, 1, 2])
+    assert run_parallel(_mp, "tensor", double_precision=True)[0][1] == "torch.int64", "a tensor is never converted"
 
 
 def test_mp_sync_return_tensor_false_gives_back_the_input_type() -> None:
     assert run_parallel(_mp, "floats", return_tensor=False, double_precision=True)[0] == ("list", [0.1, 0.2, 0.2])
     assert run_parallel(_mp, "bools", return_tensor=False)[0] == ("list", [True, True, False, True])
-    assert run_parallel(_mp, "tuple", return_tensor=False)[0] == ("tuple", (0, 0, 1, 1))
+    assert run_parallel(_mp, "tuple", return_tensor=False)[0] == ("list", [0, 0, 1, 1]), "aitoolbox: tolist()"
     assert run_parallel(_mp, "array", return_tensor=False)[0] == ("ndarray", "float64", [0.0, 0.0, 1 / 3])
     assert run_parallel(_mp, "tensor", return_tensor=False)[0][0] == "tensor", "a tensor stays a tensor"
 
@@ -287,6 +296,18 @@ def test_sync_dicts_ddp_without_a_process_group_warns_and_returns_its_input() ->
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert sync_dicts_ddp(outputs, world_size=1) is outputs
+
+
+def _sync_paths() -> list[Any]:
+    rank = dist.get_rank()
+    merged = sync_dicts_ddp({"paths": [Path(f"img/{rank}/{i}.png") for i in range(rank + 1)]}, dist.get_world_size())
+    return merged["paths"]
+
+
+def test_sync_dicts_ddp_sends_lists_of_paths_without_pickle() -> None:
+    """OML's own use: the dataset's paths beside the embeddings; OML pickles them, here they travel as text."""
+    expected = [Path("img/0/0.png"), Path("img/1/0.png"), Path("img/1/1.png")]
+    assert run_parallel(_sync_paths) == [expected, expected]
 
 
 def test_merge_list_of_dicts_chains_and_concatenates() -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ddpkit import (
     ClusterEnvironmentError,
     DDPKitError,
+    DDPPlugin,
     LocalEnvironment,
     barrier,
     destroy_dist_connection,
@@ -24,6 +25,7 @@ from ddpkit import (
     get_rank,
     get_world_size,
     init_dist_connection,
+    is_ddp,
     is_distributed,
     rank_zero_first,
     rank_zero_only,
@@ -140,6 +142,24 @@ def test_init_accepts_any_object_with_the_seed_methods(captured_init: list[Any])
         init_dist_connection(SeedStyleEnvironment(), "gloo")
 
 
+def test_init_accepts_lightning_2_environments(captured_init: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning 1.6+ and 2.x environments have ``main_address``/``main_port`` properties, not the 1.x methods."""
+    environments = pytest.importorskip("lightning.fabric.plugins.environments")
+    for name, value in {"MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "6006", "WORLD_SIZE": "4", "NODE_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    env = environments.LightningEnvironment()
+    env.set_world_size(4)
+    env.set_global_rank(3)
+    init_dist_connection(env, "gloo")
+    assert captured_init[0][1]["rank"] == 3
+    assert captured_init[0][1]["world_size"] == 4
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.2", "6006")
+    DDPPlugin().init_ddp_connection(None, env, 3, 4)  # Lightning 1.x's plugin, given a 2.x environment
+    assert captured_init[1][1]["rank"] == 3
+    with pytest.raises(TypeError, match=r"object is not a cluster environment: it needs master_address\(\)"):
+        init_dist_connection(object(), "gloo", global_rank=0, world_size=1)  # type: ignore[arg-type]
+
+
 def test_init_explicit_rank_and_world_size_win_and_are_checked(captured_init: list[Any]) -> None:
     env = LocalEnvironment({"MASTER_PORT": "1"})
     init_dist_connection(env, "gloo", global_rank=1, world_size=3)
@@ -185,6 +205,8 @@ def _ranks_and_devices() -> tuple[int, int, int, str, bool]:
 
 def test_rank_helpers_in_a_group() -> None:
     assert run_parallel(_ranks_and_devices, world_size=3) == [(r, 3, r, "cpu", True) for r in range(3)]
+    assert run_parallel(is_ddp) == [True, True], "OML's name"
+    assert is_ddp() is False
 
 
 def _rank_zero_goes_first(directory: str) -> bool:

@@ -17,9 +17,8 @@ WORLD_SIZES = [2, 3]
 def _values(op: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[list[Any], str, tuple[int, ...], bool]:
     rank = dist.get_rank()
     tensor = (torch.arange(int(torch.tensor(shape).prod().item())) + 1 + rank).reshape(shape).to(dtype)
-    before = tensor.clone()
     result = sync_ddp(tensor, reduce_op=op)
-    return result.tolist(), str(result.dtype), tuple(result.shape), bool(torch.equal(tensor, before))
+    return result.tolist(), str(result.dtype), tuple(result.shape), result is tensor
 
 
 def _expected(op: str, dtype: torch.dtype, shape: tuple[int, ...], world_size: int) -> torch.Tensor:
@@ -42,9 +41,9 @@ def _expected(op: str, dtype: torch.dtype, shape: tuple[int, ...], world_size: i
 def test_every_op_on_float_tensors(world_size: int, op: str | None, shape: tuple[int, ...]) -> None:
     results = run_parallel(_values, op, torch.float64, shape, world_size=world_size)
     expected = _expected((op or "sum").lower(), torch.float64, shape, world_size)
-    for values, dtype, result_shape, untouched in results:
+    for values, dtype, result_shape, in_place in results:
         assert torch.allclose(torch.tensor(values, dtype=torch.float64), expected, rtol=1e-12)
-        assert (dtype, result_shape, untouched) == ("torch.float64", shape, True)
+        assert (dtype, result_shape, in_place) == ("torch.float64", shape, True), "Lightning's: the input holds it"
 
 
 @pytest.mark.parametrize(
@@ -60,10 +59,14 @@ def test_reduce_op_values_are_accepted(op: Any, name: str) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("shape", [(), (4,), (300,)])
-def test_integer_mean_is_floating_and_integer_sum_stays_exact(world_size: int, shape: tuple[int, ...]) -> None:
+def test_integer_mean_keeps_the_dtype_like_lightning_and_integer_sum_stays_exact(
+    world_size: int, shape: tuple[int, ...]
+) -> None:
     results = run_parallel(_values, "mean", torch.int64, shape, world_size=world_size)
-    assert results[0][1] == str(torch.get_default_dtype())
-    assert torch.allclose(torch.tensor(results[0][0]).double(), _expected("mean", torch.int64, shape, world_size))
+    assert results[0][1] == "torch.int64"
+    truncated = _expected("mean", torch.int64, shape, world_size).trunc()  # 2 ranks: x.5 -> x
+    assert torch.equal(torch.tensor(results[0][0]).double(), truncated)
+    assert results[0][3], "in place"
     sums = run_parallel(_values, "sum", torch.int32, shape, world_size=world_size)
     assert sums[0][1] == "torch.int32"
     assert torch.equal(torch.tensor(sums[0][0]).double(), _expected("sum", torch.int32, shape, world_size))
@@ -150,15 +153,12 @@ def test_unknown_op_lists_the_valid_ones_without_a_process_group() -> None:
         sync_ddp(torch.ones(2), reduce_op=dist.ReduceOp.PREMUL_SUM)  # type: ignore[arg-type]
 
 
-def test_without_a_process_group_the_result_is_one_ranks_reduction() -> None:
+def test_without_a_process_group_the_result_is_the_input_unchanged() -> None:
     tensor = torch.tensor([1, 2])
     for reduce in (sync_ddp, sync_ddp_if_available):
-        summed = reduce(tensor)
-        assert torch.equal(summed, tensor)
-        assert summed is not tensor
-        mean = reduce(tensor, reduce_op="mean")
-        assert mean.dtype == torch.get_default_dtype()
-        assert mean.tolist() == [1.0, 2.0]
+        for op in ("sum", "mean", "max"):
+            assert reduce(tensor, reduce_op=op) is tensor, "Lightning's sync_ddp_if_available returns it as it is"
+        assert tensor.tolist() == [1, 2]
         assert reduce(3.5).item() == 3.5
     with pytest.raises(TypeError, match="got str"):
         sync_ddp("x")  # type: ignore[arg-type]
@@ -173,3 +173,40 @@ def _subgroup_sum() -> float:
 
 def test_a_subgroup_reduces_over_its_own_ranks() -> None:
     assert run_parallel(_subgroup_sum, world_size=3) == [3.0, 3.0, -1.0]
+
+
+def _in_place(requires_grad: bool) -> tuple[bool, list[float], list[float], bool]:
+    rank = dist.get_rank()
+    tensor = torch.tensor([1.0 + rank, 2.0 + rank], requires_grad=requires_grad)
+    result = sync_ddp(tensor, reduce_op="mean")
+    base = torch.arange(8.0).reshape(2, 4) + 10 * rank
+    sync_ddp(base[:, ::2])  # not contiguous: reduced in a copy, written back into the view
+    return result is tensor, tensor.tolist(), base.tolist(), tensor.requires_grad
+
+
+def test_the_input_holds_the_result_even_when_it_requires_grad_or_is_not_contiguous() -> None:
+    """Lightning's tests assert ``sync_ddp(t) is t``; ``sync_ddp(t); use(t)`` must use the reduced values."""
+    for rank, (same, values, base, requires_grad) in enumerate(run_parallel(_in_place, True)):
+        assert (same, values, requires_grad) == (True, [1.5, 2.5], True)
+        others = 10 * rank
+        assert base == [[10.0, 1.0 + others, 14.0, 3.0 + others], [18.0, 5.0 + others, 22.0, 7.0 + others]]
+
+
+def _special(values: list[float], op: str) -> list[float]:
+    tensor = torch.tensor(values[dist.get_rank()], dtype=torch.float32)
+    return [sync_ddp(tensor, reduce_op=op).item(), sync_ddp(torch.tensor([1.0, 2.0]), reduce_op=op).tolist()[0]]
+
+
+@pytest.mark.parametrize(
+    ("values", "op", "expected"),
+    [
+        ([float("nan"), 1.0], "mean", "nan"),
+        ([float("inf"), 1.0], "sum", "inf"),
+        ([float("inf"), -float("inf")], "sum", "nan"),
+    ],
+)
+def test_nan_and_infinite_scalars_reduce_as_floats_do(values: list[float], op: str, expected: str) -> None:
+    """The scalar probe marks a rank that cannot take it with NaN: a NaN value takes the checked path, still exact."""
+    for result, after in run_parallel(_special, values, op):
+        assert str(result) == expected
+        assert after == (1.0 if op == "mean" else 2.0), "the next call is unaffected"

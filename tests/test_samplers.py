@@ -267,14 +267,113 @@ def _oml(shuffle: bool, pad: bool) -> list[list[Any]]:
     return [*epochs, [wrapper.epoch, wrapper.seed_shift_per_epoch]]
 
 
-def test_ddp_sampler_wrapper_epoch_zero_equals_the_run_without_ddp() -> None:
-    torch.manual_seed(5)
-    single = list(RandomSampler(range(9)))
+def test_ddp_sampler_wrapper_deals_out_every_item_each_epoch() -> None:
     rank0, rank1 = run_parallel(_oml, False, True)
-    interleaved = [x for pair in zip(rank0[0], rank1[0], strict=False) for x in pair] + rank0[0][len(rank1[0]) :]
-    assert interleaved[:9] == single, "epoch 0: the sampler's own order, dealt out"
+    for epoch in (0, 1):
+        assert sorted(rank0[epoch] + rank1[epoch]) == sorted([*range(9), rank0[epoch][0]]), "each once, one padded"
+    assert rank0[0] != rank0[1], "a new epoch, a new order"
     assert rank0[2] == [1, 2]
-    assert set(rank0[1] + rank1[1]) == set(range(9)), "epoch 1: every item again, padding included"
+
+
+class BalanceSampler(Sampler[list[int]]):
+    """OML's ``BalanceSampler`` in miniature: P labels x K samples per batch, drawn from ``np.random``."""
+
+    def __init__(self, labels: list[int], p: int, k: int) -> None:
+        self.labels, self.p, self.k = np.asarray(labels), p, k
+        self.classes = np.unique(self.labels)
+        self.by_class = {int(c): np.flatnonzero(self.labels == c) for c in self.classes}
+
+    def __len__(self) -> int:
+        return len(self.labels) // (self.p * self.k)
+
+    def __iter__(self) -> Any:
+        for _ in range(len(self)):
+            chosen = np.random.permutation(self.classes)[: self.p]
+            yield [int(i) for c in chosen for i in np.random.permutation(self.by_class[int(c)])[: self.k]]
+
+
+def _epochs(wrapper_class: type, user_seed: int, epochs: int, world_size: int, rank: int = 0) -> list[tuple[int, ...]]:
+    """Every epoch's batches on ``rank`` of ``world_size``, in a process seeded with ``user_seed``."""
+    np.random.seed(user_seed)  # what seed_everything(user_seed) does
+    random.seed(user_seed)
+    torch.manual_seed(user_seed)
+    sampler = BalanceSampler([i % 8 for i in range(64)], 4, 2)
+    if wrapper_class is DDPSamplerWrapper:
+        wrapper: Any = DDPSamplerWrapper(sampler)
+        wrapper.num_replicas, wrapper.rank = world_size, rank
+    else:
+        wrapper = DistributedSamplerWrapper(sampler, world_size, rank, seed=user_seed)
+    return [tuple(i for batch in wrapper for i in batch) for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("wrapper_class", [DDPSamplerWrapper, DistributedSamplerWrapper])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_epoch_repeats_another_for_any_user_seed(wrapper_class: type, world_size: int) -> None:
+    """With seed + epoch in the global RNG, a process seeded with k saw epoch k repeat epoch 0 (OML's
+    BalanceSampler draws from np.random); every (seed, epoch) now has an order of its own."""
+    runs = {seed: _epochs(wrapper_class, seed, 30, world_size) for seed in range(51)}
+    everything = [order for orders in runs.values() for order in orders]
+    assert len(set(everything)) == len(everything) == 51 * 30, "no two epochs equal, within or across runs"
+    assert _epochs(wrapper_class, 7, 30, world_size) == runs[7], "the same user seed, the same epochs"
+    other_ranks = [_epochs(wrapper_class, 7, 30, world_size, rank) for rank in range(1, world_size)]
+    one_rank = _epochs(wrapper_class, 7, 30, 1)
+    for epoch in range(30):  # the ranks' shards of an epoch are the one-rank epoch dealt out (8 batches: W=2 even)
+        shards = [runs[7][epoch], *(shard[epoch] for shard in other_ranks)]
+        if world_size == 2:
+            assert sorted(i for shard in shards for i in shard) == sorted(one_rank[epoch])
+
+
+def _seeded_per_rank() -> tuple[list[int], int | None]:
+    torch.manual_seed(10 + dist.get_rank())  # ranks seeded differently: rank 0's base seed is shared
+    wrapper = DDPSamplerWrapper(RandomSampler(range(12)), shuffle_samples_between_gpus=False)
+    return list(wrapper), wrapper.base_seed
+
+
+def test_ddp_sampler_wrapper_ranks_agree_on_rank_zeros_base_seed() -> None:
+    (shard0, seed0), (shard1, seed1) = run_parallel(_seeded_per_rank)
+    torch.manual_seed(10)
+    assert seed0 == seed1 == int(torch.empty((), dtype=torch.int64).random_().item()), "drawn as DataLoader does"
+    assert sorted(shard0 + shard1) == list(range(12))
+
+
+def test_a_resumed_ddp_sampler_wrapper_keeps_its_base_seed_and_epoch() -> None:
+    torch.manual_seed(3)
+    wrapper = DDPSamplerWrapper(RandomSampler(range(10)))
+    first, second = list(wrapper), list(wrapper)
+    state = {**wrapper.state_dict(), "epoch": 1}
+    resumed = DDPSamplerWrapper(RandomSampler(range(10)))
+    resumed.load_state_dict(state)
+    torch.manual_seed(99)  # the resumed process's global RNG does not matter any more
+    assert (list(resumed), list(resumed)) == (second, list(wrapper))
+    assert first != second
+
+
+class EpochAwareSampler(Sampler[int]):
+    """A sampler that reshuffles itself per epoch through ``set_epoch``, as many do."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epochs_seen = n, []  # type: ignore[var-annotated]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs_seen.append(epoch)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        shift = self.epochs_seen[-1] if self.epochs_seen else 0
+        return iter([(i + shift) % self.n for i in range(self.n)])
+
+
+def test_set_epoch_reaches_the_wrapped_sampler() -> None:
+    """Lightning 2.6's wrapper forwards set_epoch; samplers that reshuffle themselves per epoch rely on it."""
+    inner = EpochAwareSampler(4)
+    wrapper = DistributedSamplerWrapper(inner, 1, 0)
+    wrapper.set_epoch(5)
+    assert inner.epochs_seen[-1] == 5, "at once, as Lightning's"
+    assert list(wrapper) == [1, 2, 3, 0]
+    assert list(wrapper) == [2, 3, 0, 1], "an epoch that advances by itself reaches it too"
+    assert inner.epochs_seen[-1] == 6
 
 
 @pytest.mark.parametrize(("pad", "lengths"), [(True, [5, 5]), (False, [4, 4])])
@@ -283,3 +382,14 @@ def test_ddp_sampler_wrapper_pads_or_drops(pad: bool, lengths: list[int]) -> Non
     assert [len(r[0]) for r in results] == lengths
     items = [i for r in results for i in r[0]]
     assert len(set(items)) == (9 if pad else 8)
+
+
+def test_a_deterministic_sampler_draws_no_base_seed() -> None:
+    """No randomness to seed: the global RNG is not consumed and no broadcast would run."""
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    wrapper = DDPSamplerWrapper(BatchSampler(SequentialSampler(range(5)), 2, False), shuffle_samples_between_gpus=False)
+    assert list(wrapper) == [[0, 1], [2, 3], [4]]
+    assert wrapper.base_seed is None
+    assert torch.equal(torch.rand(1), expected)

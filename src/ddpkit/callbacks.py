@@ -8,6 +8,8 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DistributedSampler
 
+from ddpkit.samplers import epoch_seed
+
 __all__ = ["Callback", "CallbacksHandler", "DistributedSamplerSetEpoch", "Event"]
 
 Event = Literal["on_train_begin", "on_epoch_begin", "on_batch_end", "on_epoch_end", "on_train_end"]
@@ -72,9 +74,10 @@ class DistributedSamplerSetEpoch(Callback):
 
     Args:
         train_sampler, validation_sampler, test_sampler: the samplers (``None`` to skip).
-        generators: the loaders' own generators, reseeded with ``seed + epoch`` each
-            epoch so that starting a loader's iterator never draws from the
-            global RNG and depends on the epoch only.
+        generators: the loaders' own generators, reseeded each epoch from
+            ``seed`` and the epoch (:func:`~ddpkit.samplers.epoch_seed`) so that
+            starting a loader's iterator never draws from the global RNG and
+            depends on the epoch only.
         seed: the base seed for ``generators``.
     """
 
@@ -94,4 +97,4 @@ class DistributedSamplerSetEpoch(Callback):
         for sampler in self.samplers:
             sampler.set_epoch(train_loop.epoch)
         for generator in self.generators:
-            generator.manual_seed(self.seed + train_loop.epoch)
+            generator.manual_seed(epoch_seed(self.seed, train_loop.epoch))

@@ -2,15 +2,18 @@
 
 What travels: ``None``, ``bool``, ``int`` (any size), ``float`` (exactly, NaN and
 infinities included), ``str`` (any script), ``bytes``, ``bytearray``, ``list``,
-``tuple``, ``set``, ``frozenset``, ``dict`` (any encodable keys), numpy arrays
-and scalars of fixed-size dtypes, and torch tensors (dense, any dtype). The
+``tuple``, ``set``, ``frozenset``, ``dict`` (any encodable keys), ``pathlib``
+paths, numpy arrays and scalars of fixed-size dtypes, and torch tensors (dense,
+any dtype). The
 tree travels as UTF-8 JSON, the tensor, array and bytes data as raw aligned
 bytes after it, so receivers can view it without copying. Anything else raises
 ``TypeError`` unless ``allow_pickle=True``, and a buffer is never unpickled
 unless the receiver also passes ``allow_pickle=True``.
 
 Subclasses of the built-in types (``IntEnum``, ``namedtuple``, ``OrderedDict``)
-come back as the built-in type.
+come back as the built-in type. A ``Path`` comes back as a ``Path`` (a pure path
+of the sender's flavour when the receiver runs another operating system), a
+``PurePosixPath`` or ``PureWindowsPath`` as itself.
 
 A non-empty list of strings travels as one UTF-8 leaf joined by NUL (split in
 C on arrival), unless a string contains NUL.
@@ -22,6 +25,7 @@ length), the JSON structure, then each leaf at a 16-byte boundary.
 from __future__ import annotations
 
 import json
+import pathlib
 import pickle
 import struct
 from typing import Any
@@ -147,6 +151,9 @@ class _Encoder:
             return _builtin(obj)
         if isinstance(obj, (bytes, bytearray)):
             return {"B" if isinstance(obj, bytes) else "b": [self.leaf(_bytes_tensor(obj)), len(obj)]}
+        if isinstance(obj, pathlib.PurePath):
+            windows = isinstance(obj, pathlib.PureWindowsPath)
+            return {"p": [str(obj), "windows" if windows else "posix", isinstance(obj, pathlib.Path)]}
         if isinstance(obj, dict):
             items = [[self.encode(k, f"{path} key {k!r}"), self.encode(v, f"{path}[{k!r}]")] for k, v in obj.items()]
             return {"d": items}
@@ -243,6 +250,8 @@ class _Decoder:
             return raw if tag == "B" else bytearray(raw)
         if tag == "d":
             return {_hashable(self.decode(k)): self.decode(v) for k, v in value}
+        if tag == "p":
+            return _path(*value)
         if tag == "P":
             if not self.allow_pickle:
                 raise pickle.UnpicklingError(
@@ -284,6 +293,14 @@ class _Decoder:
         if device_type == "cuda" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _path(text: str, flavour: str, concrete: bool) -> pathlib.PurePath:
+    """A path as the sender had it: a ``Path`` when it was one and this OS has its flavour, else a pure path."""
+    pure = pathlib.PureWindowsPath if flavour == "windows" else pathlib.PurePosixPath
+    if concrete and isinstance(pathlib.Path(), pure):
+        return pathlib.Path(text)
+    return pure(text)
 
 
 def _hashable(value: Any) -> Any:

@@ -43,7 +43,7 @@ class DDPHandler:
         training loader is padded so all ranks take the same number of steps; the
         validation and test loaders are left uneven (no duplicates), which
         :func:`~ddpkit.gather_in_order` turns into exact metrics. A loader with a
-        ``RandomSampler`` is shuffled with ``seed + epoch``. Loaders that are
+        ``RandomSampler`` is shuffled as ``DistributedSampler(shuffle=True, seed=seed)``. Loaders that are
         already sharded are kept. Registers a :class:`~ddpkit.DistributedSamplerSetEpoch`.
 
         Args:
@@ -78,7 +78,7 @@ class DDPHandler:
             generators=generators,
             seed=seed,
         )
-        loop.callbacks_handler.register_callbacks(self.callback)
+        loop.callbacks_handler.register_callbacks([self.callback])  # a list, as aitoolbox's handler expects
 
     build_loader_sampler = staticmethod(build_loader_sampler)
 

@@ -23,10 +23,11 @@ from torch.optim import Optimizer
 
 from ddpkit.process_group import (
     SupportsClusterEnvironment,
+    SupportsMainAddress,
     get_rank,
-    get_world_size,
     init_dist_connection,
     is_distributed,
+    main_address_and_port,
 )
 
 __all__ = ["DDPPlugin", "move_data_to_device", "unwrap_model"]
@@ -68,7 +69,7 @@ class DDPPlugin:
     def init_ddp_connection(
         self,
         trainer: Any,
-        cluster_environment: SupportsClusterEnvironment,
+        cluster_environment: SupportsClusterEnvironment | SupportsMainAddress,
         global_rank: int,
         world_size: int,
         is_slurm_managing_tasks: bool = True,
@@ -78,11 +79,13 @@ class DDPPlugin:
         On top of :func:`~ddpkit.init_dist_connection` (idempotent). The backend is
         ``nccl`` when ``trainer.on_gpu`` is true, ``gloo`` when it is false, and
         chosen automatically when ``trainer`` has no ``on_gpu`` (or is ``None``).
-        ``is_slurm_managing_tasks`` is accepted for the seed's signature; the
-        cluster environment already says where the process sits.
+        ``is_slurm_managing_tasks`` is accepted for Lightning 1.x's signature; the
+        cluster environment (Lightning 1.x's with ``master_address()`` or 2.x's
+        with ``main_address``) already says where the process sits.
         """
-        os.environ["MASTER_ADDR"] = str(cluster_environment.master_address())
-        os.environ["MASTER_PORT"] = str(cluster_environment.master_port())
+        address, port = main_address_and_port(cluster_environment)
+        os.environ["MASTER_ADDR"] = address
+        os.environ["MASTER_PORT"] = str(port)
         os.environ["WORLD_SIZE"] = str(cluster_environment.world_size())
         on_gpu = getattr(trainer, "on_gpu", None)
         backend = None if on_gpu is None else ("nccl" if on_gpu else "gloo")
@@ -178,14 +181,12 @@ class DDPPlugin:
         """Called after a manual backward pass; does nothing: PyTorch's DDP has nothing to reset (Lightning 1.1 did)."""
 
     def distributed_sampler_kwargs(self, distributed_sampler_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``distributed_sampler_kwargs`` with ``num_replicas`` and ``rank`` filled in from the process group.
+        """Lightning 1.x's hook to change the arguments of the trainer's ``DistributedSampler``: returns them as given.
 
-        Values already present are kept. Without a process group: 1 and 0.
+        Override it to change them; ``num_replicas`` and ``rank`` come from the
+        caller (e.g. ``{"num_replicas": get_world_size(), "rank": get_rank()}``).
         """
-        kwargs = dict(distributed_sampler_kwargs)
-        kwargs.setdefault("num_replicas", get_world_size(self.data_parallel_group))
-        kwargs.setdefault("rank", get_rank(self.data_parallel_group))
-        return kwargs
+        return distributed_sampler_kwargs
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:

@@ -45,8 +45,8 @@ def triplet_loss(embeddings: torch.Tensor, labels: torch.Tensor, margin: float) 
         CollectiveMismatchError: the ranks' batches differ in size (on every rank).
     """
     rank, batch = get_rank(), len(embeddings)
-    everyone = all_gather_ddp_if_available(embeddings, sync_grads=True).flatten(0, 1)
-    all_labels = all_gather_ddp_if_available(labels).flatten()
+    everyone = all_gather_ddp_if_available(embeddings, sync_grads=True).reshape(-1, *embeddings.shape[1:])
+    all_labels = all_gather_ddp_if_available(labels).reshape(-1)
     gaps = distances(embeddings, everyone)  # (B, W * B)
     same = labels[:, None] == all_labels[None, :]
     itself = torch.zeros_like(same)

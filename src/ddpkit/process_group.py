@@ -32,7 +32,9 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "init_dist_connection",
+    "is_ddp",
     "is_distributed",
+    "main_address_and_port",
     "rank_zero_first",
     "rank_zero_only",
     "seed_everything",
@@ -50,7 +52,7 @@ _KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
 
 class SupportsClusterEnvironment(Protocol):
-    """What :func:`init_dist_connection` needs of a cluster environment (seed 002's methods).
+    """A cluster environment as Lightning 1.x defines one: ``master_address()`` and ``master_port()`` methods.
 
     ``global_rank()`` and ``local_rank()`` are used when present.
     """
@@ -62,8 +64,23 @@ class SupportsClusterEnvironment(Protocol):
     def world_size(self) -> int: ...
 
 
+class SupportsMainAddress(Protocol):
+    """A cluster environment as Lightning 1.6+ and 2.x define one: ``main_address`` and ``main_port`` properties.
+
+    ``global_rank()`` and ``local_rank()`` are used when present.
+    """
+
+    @property
+    def main_address(self) -> str: ...
+
+    @property
+    def main_port(self) -> int: ...
+
+    def world_size(self) -> int: ...
+
+
 def init_dist_connection(
-    cluster_environment: SupportsClusterEnvironment | None = None,
+    cluster_environment: SupportsClusterEnvironment | SupportsMainAddress | None = None,
     torch_distributed_backend: str | None = None,
     global_rank: int | None = None,
     world_size: int | None = None,
@@ -79,7 +96,10 @@ def init_dist_connection(
     Args:
         cluster_environment: where this process sits; ``None`` means
             :func:`~ddpkit.detect_environment`. Any object with
-            ``master_address()``, ``master_port()`` and ``world_size()`` works;
+            ``master_address()``, ``master_port()`` and ``world_size()`` works
+            (Lightning 1.x), or with ``main_address`` and ``main_port``
+            properties and ``world_size()`` (Lightning 1.6+ and 2.x, e.g.
+            ``lightning.fabric.plugins.environments.SLURMEnvironment()``);
             ``global_rank()`` and ``local_rank()`` are used when it has them.
         torch_distributed_backend: ``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"``,
             ``"xccl"``, a device map such as ``"cpu:gloo,cuda:nccl"``, or
@@ -130,7 +150,7 @@ def init_dist_connection(
             "`ddpkit run` or ddpkit.launch()"
         )
 
-    address, port = str(env.master_address()), int(env.master_port())
+    address, port = main_address_and_port(env)
     os.environ["MASTER_ADDR"] = address
     os.environ["MASTER_PORT"] = str(port)
     if "gloo" in backend and is_loopback(address):
@@ -165,6 +185,11 @@ def destroy_dist_connection() -> None:
 def is_distributed() -> bool:
     """Whether ``torch.distributed`` is available and the default process group exists."""
     return dist.is_available() and dist.is_initialized()
+
+
+def is_ddp() -> bool:
+    """OML's name for :func:`is_distributed`: whether the default process group exists."""
+    return is_distributed()
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:
@@ -289,6 +314,24 @@ def seed_everything(seed: int, per_rank: bool = False) -> int:
 
 def _process_rank() -> int:
     return dist.get_rank() if is_distributed() else detect_environment().global_rank()
+
+
+def main_address_and_port(env: SupportsClusterEnvironment | SupportsMainAddress) -> tuple[str, int]:
+    """A cluster environment's rank-0 address and port: ``master_address()``/``master_port()`` (Lightning 1.x,
+    ddpkit's environments), else the ``main_address``/``main_port`` properties (Lightning 1.6+ and 2.x).
+
+    Raises:
+        TypeError: ``env`` has neither.
+    """
+    if callable(getattr(env, "master_address", None)) and callable(getattr(env, "master_port", None)):
+        return str(env.master_address()), int(env.master_port())  # type: ignore[union-attr]
+    if hasattr(env, "main_address") and hasattr(env, "main_port"):
+        address, port = env.main_address, env.main_port
+        return str(address() if callable(address) else address), int(port() if callable(port) else port)
+    raise TypeError(
+        f"{type(env).__name__} is not a cluster environment: it needs master_address() and master_port() methods "
+        "(Lightning 1.x) or main_address and main_port properties (Lightning 2.x)"
+    )
 
 
 def _optional_method(obj: object, name: str, override: int | None) -> int | None:

@@ -9,16 +9,20 @@ uneven by at most one entry (``even_shards=False``: no duplicates, for exact
 evaluation with :func:`~ddpkit.gather_in_order`).
 
 The ranks always agree on the order: the wrapped sampler runs with the global
-RNGs (torch, numpy, ``random``) forked and seeded with ``seed + epoch`` (and
+RNGs (torch, numpy, ``random``) forked and seeded with the epoch's seed (and
 restored afterwards), and a sampler whose ``generator`` is ``None`` gets one
-seeded the same way. A sampler with randomness of its own that ddpkit cannot
-reach is caught by comparing a checksum of the epoch's order across ranks.
+seeded the same way. The epoch's seed is :func:`epoch_seed` of a base seed and
+the epoch: a hash, so no two (base, epoch) pairs share a seed (``seed + epoch``
+would make epoch 1 of seed 0 equal to epoch 0 of seed 1). A sampler with
+randomness of its own that ddpkit cannot reach is caught by comparing a
+checksum of the epoch's order across ranks.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import functools
 import itertools
 import random
 import zlib
@@ -34,9 +38,19 @@ from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Se
 from ddpkit.errors import CollectiveMismatchError
 from ddpkit.process_group import get_rank, get_world_size, is_distributed
 
-__all__ = ["DDPSamplerWrapper", "DistributedSamplerWrapper", "EpochLayout"]
+__all__ = ["DDPSamplerWrapper", "DistributedSamplerWrapper", "EpochLayout", "epoch_seed"]
 
 Mode = Literal["pad", "drop", "uneven"]
+
+
+def epoch_seed(base: int, epoch: int) -> int:
+    """The seed of ``epoch`` for a run with base seed ``base``: a 63-bit hash of both (numpy's ``SeedSequence``).
+
+    Different (base, epoch) pairs give unrelated seeds, so neither two epochs of
+    one run nor two runs with different base seeds repeat an order by accident.
+    """
+    (state,) = np.random.SeedSequence([base % 2**64, epoch % 2**64]).generate_state(1, np.uint64)
+    return int(state) >> 1
 
 
 @dataclass(frozen=True)
@@ -116,8 +130,11 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
         num_replicas: number of ranks; default the process group's world size, or 1.
         rank: this rank; default the process group's rank, or 0.
         shuffle: also shuffle the entries' positions between ranks (a local
-            generator seeded with ``seed + epoch``; the global RNG is not touched).
-        seed: seeds the position shuffle and the wrapped sampler's randomness.
+            generator seeded with ``seed + epoch``, as ``DistributedSampler``; the
+            global RNG is not touched).
+        seed: seeds the position shuffle and, through :func:`epoch_seed`, the
+            wrapped sampler's randomness (as ``DistributedSampler``'s ``seed``,
+            the order does not depend on the global RNG).
         drop_last: drop the tail so all ranks get ``len // W`` entries.
         even_shards: pad the tail by repeating from the start, so all ranks get
             ``ceil(len / W)`` entries (default); ``False`` leaves them uneven by at
@@ -128,8 +145,16 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
             iterate the sampler, as DDP training does.
 
     Epochs advance by themselves: iterating again without :meth:`set_epoch` moves
-    to the next epoch; an explicit ``set_epoch`` wins. :meth:`set_start` resumes an
-    epoch part-way without touching the skipped data.
+    to the next epoch; an explicit ``set_epoch`` wins. The epoch is passed on to
+    the wrapped sampler's own ``set_epoch``, if it has one (as Lightning's
+    wrapper does). :meth:`set_start` resumes an epoch part-way without touching
+    the skipped data.
+
+    Iterating may run collectives (only with a process group whose size is
+    ``num_replicas``): the order checksum (see ``check_order``) and, for
+    :class:`DDPSamplerWrapper`, one broadcast of the base seed at the first
+    epoch. Every rank must then iterate the sampler, as DDP training does;
+    iterating it on one rank alone would wait for the others.
 
     Raises:
         ValueError: ``num_replicas < 1`` or ``rank`` outside ``[0, num_replicas)``.
@@ -176,9 +201,11 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
     # --- epochs ---------------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration (instead of advancing by one)."""
+        """Use ``epoch`` for the next iteration (instead of advancing by one); the wrapped sampler's
+        ``set_epoch(epoch)`` is called too, if it has one."""
         self.epoch = epoch
         self._epoch_given = True
+        _forward_epoch(self.sampler, epoch)
 
     def set_start(self, start: int) -> None:
         """Make the next iteration resume this rank's shard at entry ``start`` (of the current epoch).
@@ -262,6 +289,7 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self._next_epoch()
+        _forward_epoch(self.sampler, epoch)
         start, self._start = self._start, 0
         order = self._epoch_order(epoch)
         permutation = None
@@ -274,22 +302,22 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
 
     def _epoch_order(self, epoch: int) -> _Order:
         """The wrapped sampler's entries for ``epoch``, the same on every rank (checked where not certain)."""
-        seed, touch = self.seed + epoch, self._touch_rngs(epoch)
-        fast = _fast_order(self.sampler, seed, touch, self._rank_zero_value)
+        seed = functools.cache(lambda: epoch_seed(self._base_seed(), epoch))  # drawn only if randomness needs it
+        fast = _fast_order(self.sampler, seed)
         if fast is not None:
             order: _Order = fast
-            certain, user_generators = fast.seeded_by_us, not fast.seeded_by_us and touch
+            certain, user_generators = fast.seeded_by_us, not fast.seeded_by_us
         else:
-            with _seeded(self.sampler, seed, touch) as user_generators:
+            with _seeded(self.sampler, seed()) as user_generators:
                 order = _ListOrder(list(iter(self.sampler)))
             certain = False
         if self.check_order and not certain:
             _check_same_order(order, self.num_replicas, epoch, user_generators)
         return order
 
-    def _touch_rngs(self, epoch: int) -> bool:
-        """Whether to run the wrapped sampler with the global RNGs forked and seeded."""
-        return True
+    def _base_seed(self) -> int:
+        """The base of every epoch's seed for the wrapped sampler's randomness: ``seed``."""
+        return self.seed
 
     def _rank_zero_value(self, value: int) -> int | None:
         """Rank 0's ``value`` on every rank (one broadcast), or ``None`` when the ranks cannot be reached."""
@@ -318,11 +346,21 @@ class DDPSamplerWrapper(DistributedSamplerWrapper):
         pad_data_to_num_gpus: pad so every rank gets the same number of entries
             (``True``), or discard the tail (``False``).
 
-    Epoch 0 is comparable with a run without DDP: the sampler is iterated once, as
-    it is, with the global RNG untouched. From epoch 1 on (each new iteration
-    advances the epoch, as :meth:`_reload` did in OML) it runs as in
-    :class:`DistributedSamplerWrapper`. Unlike OML, ranks whose sampler draws a
-    different order raise instead of silently losing and duplicating items.
+    The wrapped sampler's randomness follows the user's seeding: at the first
+    epoch a base seed is drawn from torch's global generator (as ``DataLoader``
+    draws its base seed), rank 0's is shared with every rank (one broadcast),
+    and every epoch, epoch 0 included, runs the sampler with the global RNGs
+    seeded with :func:`epoch_seed` of that base and the epoch (each new
+    iteration advances the epoch, as :meth:`_reload` did in OML). So the same
+    user seed gives the same epochs, another seed other epochs, and no epoch
+    repeats another. Unlike OML, epoch 0 is not drawn from the global RNG as it
+    stands (where ranks seeded differently would disagree), and ranks whose
+    sampler still draws a different order raise instead of silently losing and
+    duplicating items.
+
+    Attributes:
+        base_seed: the base seed, ``None`` until the first iteration (it is in
+            :meth:`state_dict`, so a resumed run keeps it).
     """
 
     def __init__(
@@ -331,6 +369,7 @@ class DDPSamplerWrapper(DistributedSamplerWrapper):
     ) -> None:  # fmt: skip
         super().__init__(sampler, shuffle=shuffle_samples_between_gpus, drop_last=not pad_data_to_num_gpus)
         self.seed_shift_per_epoch = 0
+        self.base_seed: int | None = None
 
     def _reload(self) -> None:
         """Move to the next epoch: ``epoch = seed_shift_per_epoch`` (0, 1, 2, ...), as OML's ``_reload``.
@@ -346,8 +385,27 @@ class DDPSamplerWrapper(DistributedSamplerWrapper):
             self._reload()
         return super().__iter__()
 
-    def _touch_rngs(self, epoch: int) -> bool:
-        return epoch > 0
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "seed", "base_seed"}`` (``base_seed`` once the first epoch has drawn it)."""
+        state = super().state_dict()
+        if self.base_seed is not None:
+            state["base_seed"] = self.base_seed
+        return state
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume from :meth:`state_dict`: the epoch, and the base seed of the run it came from."""
+        if "base_seed" in state:
+            self.base_seed = int(state["base_seed"])
+        super().load_state_dict(state)
+        self.seed_shift_per_epoch = self.epoch + 1  # the epoch after the resumed one
+
+    def _base_seed(self) -> int:
+        """Drawn from torch's global generator at the first epoch; rank 0's, on every rank."""
+        if self.base_seed is None:
+            drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+            shared = self._rank_zero_value(drawn)
+            self.base_seed = drawn if shared is None else shared
+        return self.base_seed
 
 
 # --- the wrapped sampler's order --------------------------------------------------------------------
@@ -431,20 +489,15 @@ class _TensorOrder(_Order):
         return [flat[e * b : (e + 1) * b].tolist() for e in entries.tolist()]
 
 
-def _fast_order(
-    sampler: Any, seed: int, touch_rngs: bool, rank_zero: Callable[[int], int | None]
-) -> _TensorOrder | None:
+def _fast_order(sampler: Any, seed: Callable[[], int]) -> _TensorOrder | None:
     """The exact order of a stock ``SequentialSampler``, ``RandomSampler`` (no replacement) or a
     ``BatchSampler`` of one, computed as a tensor; ``None`` for any other sampler.
 
-    A ``RandomSampler`` without a generator draws from ``seed`` when ``touch_rngs``.
-    Otherwise every rank draws its seed from the global RNG exactly as
-    ``RandomSampler.__iter__`` would, and all use rank 0's (``rank_zero``): rank 0's
-    order is then the one a run without DDP gets, and the ranks still agree.
+    A ``RandomSampler`` without a generator draws from a generator seeded with ``seed()``.
     """
     kind = type(sampler)
     if kind is BatchSampler:
-        inner = _fast_order(sampler.sampler, seed, touch_rngs, rank_zero)
+        inner = _fast_order(sampler.sampler, seed)
         if inner is None or inner.batch_size is not None:
             return None
         return _TensorOrder(inner.indices, inner.seeded_by_us, sampler.batch_size, sampler.drop_last)
@@ -452,14 +505,8 @@ def _fast_order(
         return _TensorOrder(torch.arange(len(sampler.data_source), dtype=torch.int64), True)
     if kind is RandomSampler and not sampler.replacement:
         n, count = len(sampler.data_source), sampler.num_samples
-        generator, ours = sampler.generator, False
-        if generator is None:
-            if touch_rngs:
-                generator, ours = torch.Generator().manual_seed(seed), True
-            else:  # as RandomSampler.__iter__: a seed from the global RNG (rank 0's, shared)
-                drawn = int(torch.empty((), dtype=torch.int64).random_().item())
-                shared = rank_zero(drawn)
-                generator, ours = torch.Generator().manual_seed(drawn if shared is None else shared), shared is not None
+        ours = sampler.generator is None
+        generator = torch.Generator().manual_seed(seed()) if ours else sampler.generator
         # As RandomSampler.__iter__ draws: one permutation per full pass, then one for the rest.
         parts = [torch.randperm(n, generator=generator) for _ in range(count // n)]
         parts.append(torch.randperm(n, generator=generator)[: count % n])
@@ -468,28 +515,34 @@ def _fast_order(
 
 
 @contextlib.contextmanager
-def _seeded(sampler: Any, seed: int, touch_rngs: bool) -> Iterator[bool]:
-    """Run the sampler with its ``generator`` attributes (where ``None``) and, optionally, the global RNGs
-    seeded with ``seed``; restore everything after. Yields whether it holds generators of the user's own."""
+def _seeded(sampler: Any, seed: int) -> Iterator[bool]:
+    """Run the sampler with its ``generator`` attributes (where ``None``) and the global RNGs (torch, numpy,
+    ``random``) seeded from ``seed``; restore everything after. Yields whether it holds generators of the
+    user's own."""
     holders = _generator_holders(sampler)
     own = any(getattr(h, "generator", None) is not None for h in holders)
     empty = [h for h in holders if getattr(h, "generator", None) is None]
     for index, holder in enumerate(empty):
-        holder.generator = torch.Generator().manual_seed(seed + 7919 * index)
-    state = (random.getstate(), np.random.get_state()) if touch_rngs else None
+        holder.generator = torch.Generator().manual_seed(epoch_seed(seed, index + 1))
+    state = (random.getstate(), np.random.get_state())
     try:
-        with torch.random.fork_rng(devices=[], enabled=touch_rngs):
-            if touch_rngs:
-                torch.manual_seed(seed)
-                random.seed(seed)
-                np.random.seed(seed % 2**32)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
             yield own
     finally:
         for holder in empty:
             holder.generator = None
-        if state is not None:
-            random.setstate(state[0])
-            np.random.set_state(state[1])
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+
+
+def _forward_epoch(sampler: Any, epoch: int) -> None:
+    """Call the wrapped sampler's ``set_epoch(epoch)``, if it has one."""
+    set_epoch = getattr(sampler, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
 
 
 def _generator_holders(sampler: Any) -> list[Any]:
@@ -525,5 +578,5 @@ def _check_same_order(order: _Order, num_replicas: int, epoch: int, user_generat
     raise CollectiveMismatchError(
         f"the wrapped sampler produced a different order on different ranks in epoch {epoch} ({cause}), so "
         "some items would be seen twice and others never. Fix: give it generator=None (the wrapper then seeds it "
-        "with seed + epoch, the same on every rank), or seed its randomness identically on every rank"
+        "from seed and the epoch, the same on every rank), or seed its randomness identically on every rank"
     )

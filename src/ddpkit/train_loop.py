@@ -59,7 +59,8 @@ class TrainLoop:
             RNG state restored.
         checkpoint_every: also checkpoint every this many optimizer steps (besides
             each epoch's end).
-        seed: seeds the data order (``seed + epoch``).
+        seed: seeds the data order: each epoch's from ``seed`` and the epoch
+            (the position shuffle as ``DistributedSampler(seed=seed)``).
         progress: show a progress bar on rank 0.
 
     Attributes the seed relies on: ``train_loader``, ``validation_loader``,
@@ -333,7 +334,7 @@ class TrainLoop:
                     and self.global_step % self.checkpoint_every == 0
                 ):
                     self._save_checkpoint(batch=index + 1)
-        summed = sync_ddp(self._epoch_sums)
+        summed = sync_ddp(self._epoch_sums.clone())
         return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
 
     def _train_sampler(self) -> DistributedSamplerWrapper:
@@ -364,7 +365,7 @@ class TrainLoop:
         """Every rank sends its RNG state; rank 0 writes the checkpoint atomically."""
         assert self.checkpoint_dir is not None
         rngs = all_gather_object(rng_state())
-        epoch_sums = sync_ddp(self._epoch_sums) if batch else torch.zeros(2, dtype=torch.float64)
+        epoch_sums = sync_ddp(self._epoch_sums.clone()) if batch else torch.zeros(2, dtype=torch.float64)
         optimizer_state = self.plugin.optimizer_state(self.optimizer)
         if get_rank() == 0:
             state = {

@@ -34,8 +34,10 @@ def gather_all_tensors(result: torch.Tensor, group: dist.ProcessGroup | None = N
     Returns:
         ``[tensor of rank 0, tensor of rank 1, ...]`` (``world_size`` entries, in
         group-rank order), each on ``result``'s device with its own rank's shape.
-        This rank's entry is ``result`` itself, detached (not a copy). Without a
-        process group: ``[result.detach()]``.
+        This rank's entry is ``result`` itself, with its autograd graph (as
+        torchmetrics' and Lightning's: ``torch.autograd.grad(out[rank].sum(), x)``
+        works); the other ranks' entries carry no gradient. Without a process
+        group: ``[result]``.
 
     Raises:
         CollectiveMismatchError: ranks passed different dtypes or numbers of
@@ -69,11 +71,10 @@ def _gather(result: Any, group: dist.ProcessGroup | None, what: str, same_shape:
     info = GroupInfo.of(group)
     gathered = exchange(what, header, payload, info, check)
     assert isinstance(result, torch.Tensor)
-    own = result.detach()
     tensors: list[torch.Tensor] = []
     for r, (h, data) in enumerate(gathered):
         if r == info.rank:
-            tensors.append(own)
+            tensors.append(result)
         elif not data.numel():
             tensors.append(torch.empty(h["shape"], dtype=result.dtype, device=result.device))
         else:
@@ -112,7 +113,7 @@ class AllGatherGrad(torch.autograd.Function):
 def all_gather_ddp_if_available(
     tensor: torch.Tensor, group: dist.ProcessGroup | None = None, sync_grads: bool = False
 ) -> torch.Tensor:
-    """Gather ``tensor`` from every rank into one ``(world_size, *tensor.shape)`` tensor (seed 003).
+    """Gather ``tensor`` from every rank into one ``(world_size, *tensor.shape)`` tensor (Lightning's function).
 
     Every rank must call it with a tensor of the same shape and dtype.
 
@@ -124,14 +125,16 @@ def all_gather_ddp_if_available(
 
     Returns:
         ``(world_size, *tensor.shape)`` on ``tensor``'s device, row ``r`` from rank
-        ``r``. Without a process group: ``tensor.unsqueeze(0)``, shape
-        ``(1, *tensor.shape)`` (with its gradient when ``sync_grads``).
+        ``r``. Without a process group: ``tensor`` itself, as Lightning's (note
+        the shape: ``tensor.shape``, not ``(1, *tensor.shape)``; reshape with
+        ``result.reshape(-1, *tensor.shape[1:])`` to concatenate the ranks' rows
+        either way).
 
     Raises:
         CollectiveMismatchError: shapes or dtypes differ between ranks (on every rank).
     """
     if not is_distributed():
-        return tensor.unsqueeze(0) if sync_grads else tensor.detach().unsqueeze(0)
+        return tensor
     if sync_grads:
         gathered: torch.Tensor = AllGatherGrad.apply(tensor, group)  # type: ignore[no-untyped-call]
         return gathered

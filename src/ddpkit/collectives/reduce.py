@@ -4,12 +4,12 @@ Ranks that pass different shapes, dtypes or ops to a raw ``all_reduce`` get
 silent garbage on one rank and a hang on the other (measured on gloo). Every
 call here starts with the same collective on every rank, so none can mismatch:
 
-1. A probe: ``all_reduce`` (sum) of two float64, ``[value, eligible]``. A rank is
-   eligible when it reduces one element with ``sum`` or ``mean`` and the value
-   is exact in float64. When every rank is eligible, the first element already
-   is the answer: a scalar metric costs one 2-element ``all_reduce``, which gloo
-   runs as fast as a raw scalar one. (Eligible ranks that differ in dtype or
-   sum-vs-mean each get what they asked for.)
+1. A probe: ``all_reduce`` (sum) of one float64: this rank's value when it
+   reduces one element with ``sum`` or ``mean`` and the value is exact in
+   float64, else NaN. A sum that is not NaN is the answer: a scalar metric costs
+   one one-element ``all_reduce``, as a raw one does, and a write into the
+   input. (Eligible ranks that differ in dtype or sum-vs-mean each get what they
+   asked for; a NaN value merely takes the next step, which gives NaN too.)
 2. Otherwise a check: ``all_reduce`` of a fixed-size float64 vector holding a
    signature ``s`` of (dtype, shape, op) and ``s**2``, twice (CRC-32 and
    Adler-32). All ranks agree exactly when ``world_size * sum(s**2) ==
@@ -22,6 +22,7 @@ and a mismatch raises :class:`~ddpkit.CollectiveMismatchError` on every rank.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Literal
 
@@ -59,21 +60,24 @@ def sync_ddp(
     group: dist.ProcessGroup | None = None,
     reduce_op: ReduceOp | str | None = None,
 ) -> torch.Tensor:
-    """Reduce ``result`` over the ranks of ``group`` (seed 003); every rank must call it.
+    """Reduce ``result`` over the ranks of ``group`` in place, as Lightning's ``sync_ddp``; every rank must call it.
 
     Args:
-        result: a tensor of any shape, or a number (``int`` becomes int64,
-            ``float`` float64, ``bool`` bool).
+        result: a tensor of any shape, or a number (``int`` becomes int64, or
+            the default float dtype for a mean; ``float`` float64; ``bool`` bool).
         group: the process group; default the whole world.
         reduce_op: ``"sum"`` (default), ``"mean"`` or ``"avg"``, ``"max"``,
             ``"min"``, ``"prod"``, or a ``torch.distributed.ReduceOp`` (``AVG``
             means mean; ``BAND``, ``BOR``, ``BXOR`` for integer tensors).
 
     Returns:
-        A new tensor of ``result``'s shape, on ``result``'s device; ``result`` is
-        never modified. The mean of an integer or bool tensor is floating point
-        (``torch.get_default_dtype()``, as ``tensor / n`` gives); other ops keep the
-        dtype. Without a process group: the same as with one rank.
+        ``result`` itself, holding the reduced values (as Lightning's: ``result
+        is sync_ddp(result)``, so ``sync_ddp(t); use(t)`` uses the reduced
+        values), or a new tensor when ``result`` is a number. The dtype is kept:
+        the mean of an integer tensor is truncated toward zero, as Lightning's
+        (pass a floating-point tensor for an exact mean). The write-back does not
+        enter the autograd graph. Without a process group: ``result`` unchanged
+        (the reduction over one rank).
 
     Raises:
         ValueError: an unknown ``reduce_op`` (the message lists the valid ones), on
@@ -85,11 +89,11 @@ def sync_ddp(
     op = _resolve_op(reduce_op)
     info = GroupInfo.of(group)
     if not info.distributed:
-        return _finish(_as_tensor(result).detach().clone(), op, 1)
+        return _as_tensor(result, op)
     tensor: torch.Tensor | None = None
     problem: TypeError | None = None
     try:
-        tensor = _as_tensor(result)
+        tensor = _as_tensor(result, op)
     except TypeError as exc:
         problem = exc  # every rank must still take part, to raise together
     return _reduce(tensor, problem, op, info)
@@ -100,7 +104,7 @@ def sync_ddp_if_available(
     group: dist.ProcessGroup | None = None,
     reduce_op: ReduceOp | str | None = None,
 ) -> torch.Tensor:
-    """:func:`sync_ddp` when a process group exists, else ``result`` reduced over one rank (seed 003).
+    """:func:`sync_ddp` when a process group exists, else ``result`` unchanged (Lightning's ``sync_ddp_if_available``).
 
     Identical to :func:`sync_ddp`, which also works without a process group; kept
     for code written against Lightning's name.
@@ -125,9 +129,11 @@ def _resolve_op(reduce_op: ReduceOp | str | None) -> ReduceOpName:
     )
 
 
-def _as_tensor(result: object) -> torch.Tensor:
+def _as_tensor(result: object, op: ReduceOpName = "sum") -> torch.Tensor:
     if isinstance(result, torch.Tensor):
         return result
+    if op == "mean" and isinstance(result, int):  # no tensor of the caller's to hold it: the exact mean
+        return torch.tensor(result, dtype=torch.get_default_dtype())
     if isinstance(result, bool):
         return torch.tensor(result, dtype=torch.bool)
     if isinstance(result, int):
@@ -144,17 +150,20 @@ def _describe(tensor: torch.Tensor, op: str) -> str:
 def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOpName, info: GroupInfo) -> torch.Tensor:
     world_size, device, group = info.world_size, info.device, info.group
 
-    # 1. The probe: two float64, the same on every rank.
+    # 1. The probe: one float64 on every rank (NaN from a rank that cannot take this path). Few torch calls:
+    # each costs several times its usual time right after a collective here.
     scalar = tensor is not None and op in ("sum", "mean") and tensor.numel() == 1 and _fits_float64(tensor, world_size)
-    probe = torch.tensor([tensor.item() if scalar and tensor is not None else 0.0, 1.0 if scalar else 0.0],
-                         dtype=torch.float64)  # fmt: skip
-    if device.type != "cpu":
-        probe = probe.to(device)
+    probe = torch.tensor(tensor.item() if scalar and tensor is not None else math.nan, dtype=torch.float64,
+                         device=device)  # fmt: skip
     dist.all_reduce(probe, op=ReduceOp.SUM, group=group)
-    total, eligible = probe.tolist()
-    if eligible == world_size:
+    total = probe.item()
+    if not math.isnan(total):
         assert tensor is not None
-        return _scalar_result(total, tensor, op, world_size)
+        value = total / world_size if op == "mean" else total
+        if not tensor.requires_grad:
+            return tensor.fill_(value)
+        with torch.no_grad():
+            return tensor.fill_(value)
 
     # 2. The check, with small sum/mean payloads riding along.
     vector = torch.zeros(_CHECK + _INLINE, dtype=torch.float64)
@@ -189,26 +198,19 @@ def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOp
             + "; ".join(f"rank {r}: {h['desc']}" for r, h in enumerate(headers))
         )
     assert tensor is not None
-    if not totals[5]:  # every rank's payload rode along
-        summed = vector[_CHECK : _CHECK + tensor.numel()].reshape(tensor.shape).to(tensor.device)
-        return _finish_from_float64(summed, tensor.dtype, op, world_size)
+    with torch.no_grad():
+        if not totals[5]:  # every rank's payload rode along: the float64 sums are exact
+            summed = vector[_CHECK : _CHECK + tensor.numel()].reshape(tensor.shape)
+            return tensor.copy_(summed / world_size if op == "mean" else summed)
 
-    # 3. Native, in the payload's own dtype (shapes and dtypes are known to match).
-    native = tensor.detach().clone().contiguous().to(device)
-    dist.all_reduce(native, op=_NATIVE[op], group=group)
-    return _finish(native.to(tensor.device), op, world_size)
-
-
-def _scalar_result(total: float, tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
-    """The reduced one-element tensor, from the probe's float64 sum."""
-    if op == "mean":
-        dtype = tensor.dtype if tensor.dtype.is_floating_point else torch.get_default_dtype()
-        value: float | int | bool = total / world_size
-    else:
-        dtype = tensor.dtype
-        value = bool(total) if dtype == torch.bool else int(total) if not dtype.is_floating_point else total
-    result = torch.tensor(value, dtype=dtype, device=tensor.device)
-    return result if tensor.dim() == 0 else result.reshape(tensor.shape)
+        # 3. Native, in the payload's own dtype (shapes and dtypes are known to match), in place when it can be.
+        direct = tensor.is_contiguous() and tensor.device == device
+        native = tensor if direct else tensor.contiguous().to(device, copy=True)
+        dist.all_reduce(native, op=_NATIVE[op], group=group)
+        if op == "mean":
+            exact = native.is_floating_point() or native.is_complex()
+            native = native.div_(world_size) if exact else native / world_size
+        return tensor if native is tensor else tensor.copy_(native)
 
 
 def _fits_float64(tensor: torch.Tensor, world_size: int) -> bool:
@@ -223,19 +225,3 @@ def _fits_float64(tensor: torch.Tensor, world_size: int) -> bool:
         return False
     limit = min(2**53, torch.iinfo(tensor.dtype).max) // world_size
     return tensor.numel() == 0 or int(tensor.detach().abs().max()) <= limit
-
-
-def _finish_from_float64(summed: torch.Tensor, dtype: torch.dtype, op: str, world_size: int) -> torch.Tensor:
-    if op == "mean":
-        mean_dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
-        return (summed / world_size).to(mean_dtype)
-    return summed.to(dtype)
-
-
-def _finish(tensor: torch.Tensor, op: str, world_size: int) -> torch.Tensor:
-    """``tensor`` holds the reduced values (sums for mean); divide for a mean."""
-    if op != "mean":
-        return tensor
-    if tensor.is_floating_point() or tensor.is_complex():
-        return tensor.div_(world_size)
-    return tensor / world_size

@@ -25,23 +25,27 @@ def mp_sync(
     return_tensor: bool = True,
     group: dist.ProcessGroup | None = None,
 ) -> Any:
-    """Share ``data`` between all processes, so that each has every process's values (seed 000).
+    """Share ``data`` between all processes, so that each has every process's values (aitoolbox's ``mp_sync``).
 
     Every rank must call it. Lengths (the first dimension) may differ between
     ranks; the kind of data, its dtype and other dimensions may not.
 
     Args:
-        data: a tensor (any dtype, kept exactly; device preserved), a numpy array
-            (dtype kept), a list or tuple of numbers (ints become int64; floats and
-            bools become float32, or float64 with ``double_precision``), a single
-            number (treated as a one-element list), or a list of strings or other
-            plain objects (gathered as lists).
-        double_precision: wrap Python floats and bools as float64 instead of float32.
+        data: a tensor (any dtype, kept exactly; device preserved), a numpy array,
+            a list or tuple of numbers, a single number (treated as a one-element
+            list), or a list of strings or other plain objects (gathered as
+            lists). Numbers and arrays are wrapped as aitoolbox's
+            ``torch.tensor(data)`` wraps them: bools stay bool, ints become
+            int64, floats the default float dtype (float32), arrays keep their
+            dtype.
+        double_precision: make every wrapped (non-tensor) input float64: numbers,
+            bools and numpy arrays alike, as aitoolbox's ``.double()``.
         concat_mp_data: concatenate the ranks' data along the first dimension
             (a scalar becomes one element per rank); otherwise return one entry per rank.
-        return_tensor: return tensors; otherwise convert back to the input's type
-            (numpy array for arrays, list or tuple for lists and numbers, tensor for
-            tensors). Lists of strings and other objects always come back as lists.
+        return_tensor: return tensors; otherwise a numpy array for a numpy array
+            and a list for anything else (tuples too, as aitoolbox's ``tolist()``);
+            a tensor input stays a tensor. Lists of strings and other objects
+            always come back as lists.
         group: the process group; default the whole world.
 
     Returns:
@@ -138,13 +142,15 @@ def sync_dicts_ddp(
     allow_pickle: bool = False,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
-    """Combine every rank's dict of results into one merged dict on every rank (seed 001, OML).
+    """Combine every rank's dict of results into one merged dict on every rank (OML's ``sync_dicts_ddp``).
 
     Every rank must call it with the same keys. Values: lists and tuples
     (chained in rank order), tensors (concatenated along dim 0 on ``device``),
-    numpy arrays (concatenated along axis 0). Unlike OML, tensors and arrays are
-    not pickled: they travel as raw bytes, and the whole dict in one exchange;
-    list items travel through :mod:`ddpkit.codec` (strings, numbers, ...).
+    numpy arrays (concatenated along axis 0). Unlike OML, nothing is pickled:
+    tensors and arrays travel as raw bytes, the whole dict in one exchange, and
+    list items through :mod:`ddpkit.codec` (strings, numbers, ``pathlib`` paths,
+    nested lists and dicts of them, ...). Other objects in lists need
+    ``allow_pickle=True``, which OML implies.
 
     Args:
         outputs_from_device: this rank's results.
@@ -193,22 +199,28 @@ def sync_dicts_ddp(
 
 
 def _mp_value(data: Any, double_precision: bool) -> Value:
+    """``data`` wrapped as aitoolbox's ``mp_sync`` wraps it (``torch.tensor(data)``, ``.double()`` if asked)."""
     if isinstance(data, torch.Tensor):
         return Value(data.reshape(1) if data.dim() == 0 else data, "tensor")
     if isinstance(data, np.ndarray):
-        return Value(data.reshape(1) if data.ndim == 0 else data, "ndarray")
-    if isinstance(data, (bool, int, float, np.generic)):
-        source, items = "scalar", [data.item() if isinstance(data, np.generic) else data]
-    elif isinstance(data, (list, tuple)):
-        source, items = type(data).__name__, list(data)
+        array = data.reshape(1) if data.ndim == 0 else data
+        return Value(array.astype(np.float64) if double_precision else array, "ndarray")
+    if isinstance(data, np.generic):
+        wrapped = torch.from_numpy(np.asarray([data]))
+        return Value(wrapped.double() if double_precision else wrapped, "list")
+    if isinstance(data, (bool, int, float, list, tuple)):
+        items = list(data) if isinstance(data, (list, tuple)) else [data]
     else:
         raise TypeError(f"mp_sync syncs tensors, numpy arrays, lists, tuples and numbers, got {type(data).__name__}")
     element = _element_type(items)
     if element is None:
-        return Value(items, source)
-    float_dtype = torch.float64 if double_precision else torch.float32
-    dtype = torch.int64 if element == "int" else float_dtype
-    return Value(torch.tensor(items, dtype=dtype), source, element)
+        return Value(items, "list")
+    dtype = torch.float64 if double_precision else _WRAPPED_DTYPES.get(element, torch.get_default_dtype())
+    return Value(torch.tensor(items, dtype=dtype), "list")
+
+
+#: What ``torch.tensor`` makes of Python numbers: bool, int64, or the default float dtype.
+_WRAPPED_DTYPES = {"bool": torch.bool, "int": torch.int64}
 
 
 def _element_type(items: list[Any]) -> str | None:
@@ -241,18 +253,7 @@ def _combine(value: Value, gathered: Gathered, key: Any, concat: bool, return_te
     )
     if return_tensor or value.source == "tensor":
         return out
-    return _to_python(out, value) if concat else [_to_python(t, value) for t in out]
-
-
-def _to_python(tensor: torch.Tensor, value: Value) -> Any:
-    items = tensor.tolist()
-    if value.extra == "bool":
-        items = _map_nested(items, bool)
-    return tuple(items) if value.source == "tuple" else items
-
-
-def _map_nested(items: Any, fn: Any) -> Any:
-    return [_map_nested(i, fn) for i in items] if isinstance(items, list) else fn(items)
+    return out.tolist() if concat else [t.tolist() for t in out]
 
 
 def _dict_value(key: Any, value: Any) -> Value:

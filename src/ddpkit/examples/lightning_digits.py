@@ -80,12 +80,12 @@ def digits_module(task: Task, config: LightningDigitsConfig) -> ExtractorModuleD
     if task == "extractor":
         extractor = EmbeddingNet()
         optimizer = torch.optim.SGD(extractor.parameters(), lr=config.lr, momentum=0.9)
-        return ExtractorModuleDDP(extractor, None, optimizer, loaders_train=train_loader, loaders_val=val_loader)
+        return ExtractorModuleDDP(train_loader, val_loader, extractor=extractor, optimizer=optimizer)
     if task == "pairwise":
         scorer = PairwiseScorer(dim=64)
         optimizer_ = torch.optim.Adam(scorer.parameters(), lr=config.lr / 10)
         return PairwiseModuleDDP(
-            scorer, optimizer_, loaders_train=train_loader, loaders_val=val_loader, top_n=config.top_n
+            train_loader, val_loader, pairwise_model=scorer, optimizer=optimizer_, top_n=config.top_n
         )
     raise ValueError(f"task={task!r} must be 'extractor' or 'pairwise'")
 

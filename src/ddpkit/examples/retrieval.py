@@ -101,8 +101,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     ``len(labels) // (P * K)`` batches per epoch. The randomness comes from
     ``generator`` (or the global RNG when ``None``), which
-    :class:`~ddpkit.DistributedSamplerWrapper` seeds with ``seed + epoch``: every
-    rank then draws the same epoch and takes its own share of the batches.
+    :class:`~ddpkit.DistributedSamplerWrapper` seeds for each epoch from its
+    ``seed`` and the epoch: every rank then draws the same epoch and takes its
+    own share of the batches.
 
     Args:
         labels: ``(N,)`` integer class of each sample.
