@@ -72,8 +72,11 @@ def test_ddpkit_demo_trains_on_two_processes_to_90_percent() -> None:
     assert command is not None, "the ddpkit console script is not installed next to this Python"
     done = subprocess.run([command, "demo"], capture_output=True, text=True, timeout=170, check=False)
     assert done.returncode == 0, done.stderr
-    epochs = re.findall(r"^epoch +(\d+)/10 +train loss [\d.]+ +validation loss [\d.]+ +validation accuracy [\d.]+$",
-                        done.stdout, re.MULTILINE)  # fmt: skip
+    line = (
+        r"^epoch +(\d+)/10 +train loss [\d.]+ +validation loss [\d.]+ +validation accuracy [\d.]+ +"
+        r"load\+forward [\d.]+-[\d.]+ ms/batch \(slowest rank [01]\)$"
+    )
+    epochs = re.findall(line, done.stdout, re.MULTILINE)
     assert epochs == [str(e) for e in range(1, 11)], "rank 0, and only rank 0, prints each epoch once"
     summary = re.search(r"ddpkit demo: 2 processes \(gloo\), 10 epochs, .*validation accuracy ([\d.]+) "
                         r"\((\d+)/359\)", done.stdout)  # fmt: skip

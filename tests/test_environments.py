@@ -427,5 +427,6 @@ def test_as_dict_is_json_and_names_the_environment() -> None:
         "local_rank": 2,
         "node_rank": 1,
         "local_world_size": None,
+        "master_addr_source": "the first host of SLURM_JOB_NODELIST='gpu[003-004]'",
         "creates_processes_externally": True,
     }

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit import WorkerFailedError, launch
+from ddpkit import RendezvousFailedError, WorkerFailedError, launch
 from ddpkit.launch import _limit_threads
 from tests.conftest import alive
 
@@ -135,6 +135,14 @@ def test_unpicklable_functions_are_refused_before_any_process_starts() -> None:
 def test_bad_launch_arguments_are_refused(options: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         launch(_report, 0, scale=1, **options)  # type: ignore[arg-type]
+
+
+def test_bad_hang_timeouts_and_unresolvable_endpoints_are_refused_before_any_process_starts() -> None:
+    with pytest.raises(ValueError, match=r"must be a number of seconds >= 0 \(0 turns it off\), got -5"):
+        launch(_report, 0, scale=1, nprocs=2, timeout=-5)
+    with pytest.raises(RendezvousFailedError, match=r"'nohost.invalid' \(the host of rdzv_endpoint="
+                       r"'nohost.invalid:29400'\) does not resolve"):  # fmt: skip
+        launch(_report, 0, scale=1, nprocs=1, nnodes=2, rdzv_endpoint="nohost.invalid:29400")
 
 
 def test_a_script_without_a_main_guard_gets_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

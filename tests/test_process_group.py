@@ -19,6 +19,7 @@ from ddpkit import (
     DDPKitError,
     DDPPlugin,
     LocalEnvironment,
+    SLURMEnvironment,
     barrier,
     destroy_dist_connection,
     get_local_rank,
@@ -31,6 +32,7 @@ from ddpkit import (
     rank_zero_only,
     seed_everything,
 )
+from ddpkit._watchdog import hang_timeout
 from ddpkit.process_group import _resolve_backend, collective_device
 from ddpkit.testing import run_parallel
 
@@ -158,6 +160,41 @@ def test_init_accepts_lightning_2_environments(captured_init: list[Any], monkeyp
     assert captured_init[1][1]["rank"] == 3
     with pytest.raises(TypeError, match=r"object is not a cluster environment: it needs master_address\(\)"):
         init_dist_connection(object(), "gloo", global_rank=0, world_size=1)  # type: ignore[arg-type]
+
+
+def test_an_unresolvable_master_address_fails_naming_it_and_its_source(captured_init: list[Any]) -> None:
+    slurm = SLURMEnvironment(
+        {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "77",
+         "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "gpu[7-8].invalid"}
+    )  # fmt: skip
+    with pytest.raises(ClusterEnvironmentError, match=r"the master address 'gpu7.invalid' \(the first host of "
+                       r"SLURM_JOB_NODELIST='gpu\[7-8\].invalid'\) does not resolve"):  # fmt: skip
+        init_dist_connection(slurm, "gloo")
+    local = LocalEnvironment({"MASTER_ADDR": "nowhere.invalid", "MASTER_PORT": "5", "WORLD_SIZE": "2", "RANK": "1"})
+    with pytest.raises(ClusterEnvironmentError, match=r"'nowhere.invalid' \(MASTER_ADDR\) does not resolve"):
+        init_dist_connection(local, "gloo")
+    assert captured_init == [], "it fails before any process waits"
+
+
+def test_the_hang_deadline_comes_from_the_argument_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DDPKIT_HANG_TIMEOUT", raising=False)
+    assert [hang_timeout(), hang_timeout(12.5), hang_timeout(0), hang_timeout(float("inf"))] == [300, 12.5, None, None]
+    monkeypatch.setenv("DDPKIT_HANG_TIMEOUT", "7")
+    assert hang_timeout() == 7.0
+    monkeypatch.setenv("DDPKIT_HANG_TIMEOUT", "off")
+    assert hang_timeout() is None
+    monkeypatch.setenv("DDPKIT_HANG_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=r"DDPKIT_HANG_TIMEOUT='soon' is not a number of seconds"):
+        hang_timeout()
+    with pytest.raises(ValueError, match=r"must be a number of seconds >= 0 \(0 turns it off\), got -1"):
+        hang_timeout(-1)
+
+
+def test_the_process_group_timeout_outlasts_the_hang_deadline(captured_init: list[Any]) -> None:
+    env = LocalEnvironment({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4321", "WORLD_SIZE": "2", "RANK": "1"})
+    init_dist_connection(env, "gloo", hang_timeout=900)
+    assert captured_init[0][1]["timeout"] == timedelta(seconds=960), "else torch's 10-minute NCCL timeout came first"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "256", "the flight recorder is on for the watchdog"
 
 
 def test_init_explicit_rank_and_world_size_win_and_are_checked(captured_init: list[Any]) -> None:

@@ -108,7 +108,8 @@ def test_ddpkit_demo_retrieval_runs_on_two_processes() -> None:
         capture_output=True, text=True, timeout=170, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    epochs = re.findall(r"^epoch +(\d)/3 +train loss [\d.]+ +validation precision_at_1 [\d.]+$", done.stdout, re.M)
+    epochs = re.findall(r"^epoch +(\d)/3 +train loss [\d.]+ +validation precision_at_1 [\d.]+ +load\+forward "
+                        r"[\d.]+-[\d.]+ ms/batch \(slowest rank [01]\)$", done.stdout, re.M)  # fmt: skip
     assert epochs == ["1", "2", "3"]
     summary = re.search(r"2 processes \(gloo\), 3 epochs, .* precision@1 ([\d.]+) \(untrained ([\d.]+)\)", done.stdout)
     assert summary is not None, done.stdout

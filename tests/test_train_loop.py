@@ -280,3 +280,35 @@ def test_bad_arguments_are_refused_with_the_values() -> None:
         loop.evaluate()
     with pytest.raises(ValueError, match="checkpoint_every=0 must be >= 1"):
         TrainLoop(_model(), DataLoader(train), checkpoint_every=0)
+
+
+# --- the straggler view -----------------------------------------------------------------------------
+
+
+def _slow_collate_on_rank_one(rows: list[Any]) -> Any:
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.01)  # a slow data pipeline on one rank
+    return torch.utils.data.default_collate(rows)
+
+
+def _step_times() -> tuple[list[float], str]:
+    train, _ = digits_datasets(seed=0)
+    model = _model()
+    loader = DataLoader(train, batch_size=64, shuffle=True, collate_fn=_slow_collate_on_rank_one)
+    loop = TrainLoop(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), progress=False)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        loop.fit(1)
+    return loop.step_times, printed.getvalue()
+
+
+def test_each_epoch_names_the_slowest_rank_before_it_becomes_a_hang() -> None:
+    (times, line), (times_1, nothing) = run_parallel(_step_times)
+    assert times == times_1, "every rank knows every rank's time"
+    assert times[1] > times[0] + 8, "rank 1 spends 10 ms more per batch loading (ms)"
+    assert f"load+forward {min(times):.1f}-{max(times):.1f} ms/batch (slowest rank 1)" in line
+    assert nothing == "", "rank 0 alone prints"

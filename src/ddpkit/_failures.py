@@ -18,9 +18,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ddpkit.errors import WorkerFailedError
+from ddpkit.errors import HangError, WorkerFailedError
 
-__all__ = ["FAILURE_DIR_VARIABLE", "read_records", "worker_failed_error", "write_record"]
+__all__ = ["FAILURE_DIR_VARIABLE", "read_records", "worker_failed_error", "write_hang_record", "write_record"]
 
 #: Environment variable naming the directory where workers write their failure records.
 FAILURE_DIR_VARIABLE = "DDPKIT_FAILURE_DIR"
@@ -41,7 +41,33 @@ def write_record(directory: str | os.PathLike[str], exc: BaseException) -> None:
         "error": f"{type(exc).__name__}: {exc}",
         "traceback": traceback.format_exc(),
     }
-    path = Path(directory) / f"{record['attempt']}-{record['rank']}.json"
+    _write(directory, record)
+
+
+def write_hang_record(
+    directory: str | os.PathLike[str],
+    report: str,
+    stragglers: list[int],
+    mismatched: list[int],
+    report_path: str | None,
+    rank: int,
+) -> None:
+    """Record that the job hung (by the rank whose watchdog wrote the report); it wins over any other record."""
+    record = {
+        "rank": rank,
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "time": time.time(),
+        "exitcode": 1,
+        "error": report.splitlines()[0] if report else "the job hung",
+        "traceback": "",
+        "hang": {"report": report, "stragglers": stragglers, "mismatched": mismatched, "path": report_path},
+    }
+    _write(directory, record, name=f"{record['attempt']}-hang")
+
+
+def _write(directory: str | os.PathLike[str], record: dict[str, Any], name: str | None = None) -> None:
+    stem = name if name is not None else f"{record['attempt']}-{record['rank']}"
+    path = Path(directory) / f"{stem}.json"
     try:
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(record), encoding="utf-8")
@@ -51,7 +77,7 @@ def write_record(directory: str | os.PathLike[str], exc: BaseException) -> None:
 
 
 def read_records(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
-    """The records of the last attempt that left any, by global rank."""
+    """The records of the last attempt that left any, by global rank (a hang record under its own rank)."""
     records: list[dict[str, Any]] = []
     for path in Path(directory).glob("*.json"):
         try:
@@ -61,19 +87,28 @@ def read_records(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]
     if not records:
         return {}
     last = max(int(r["attempt"]) for r in records)
-    return {int(r["rank"]): r for r in records if int(r["attempt"]) == last}
+    latest = [r for r in records if int(r["attempt"]) == last]
+    return {int(r["rank"]): r for r in sorted(latest, key=lambda r: "hang" in r)}  # the hang record wins
 
 
 def worker_failed_error(err: Any, records: dict[int, dict[str, Any]]) -> WorkerFailedError:
     """Combine torch's ``ChildFailedError`` with the workers' records into one error.
 
-    The root cause is, in order: a worker killed by a signal that left no record
-    (a crash or a kill, which the others' errors follow from); else the
-    earliest record; else the agent's first failure.
+    The root cause is, in order: a hang (a :class:`~ddpkit.HangError` with the
+    watchdog's report); a worker killed by a signal that left no record (a crash
+    or a kill, which the others' errors follow from); else the earliest record;
+    else the agent's first failure.
     """
     failures: dict[int, str] = {rank: str(r["error"]) for rank, r in records.items()}
     for rank, failure in err.failures.items():
         failures.setdefault(rank, _agent_failure_text(failure)[0])
+    hang = next((r for r in records.values() if "hang" in r), None)
+    if hang is not None:
+        details = hang["hang"]
+        return HangError(
+            details["report"], list(details["stragglers"]), details.get("path"), int(hang["rank"]), failures,
+            list(details.get("mismatched", [])),
+        )  # fmt: skip
 
     killed = [rank for rank, f in err.failures.items() if f.exitcode < 0 and rank not in records]
     if killed:

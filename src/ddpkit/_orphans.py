@@ -5,6 +5,10 @@ its workers would otherwise live on as orphans, often blocked for good in a
 collective. On Linux each worker asks the kernel for ``SIGKILL`` when its
 parent exits (``prctl(PR_SET_PDEATHSIG)``). The signal follows the parent
 *thread*: start workers from a thread that outlives them (ddpkit does).
+
+A worker's own children (a DataLoader's forked workers, blocked in a user's
+dataset code, say) would outlive a worker that is stopped the same way:
+:func:`children_die_with_this_process` makes every child it forks ask too.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ import os
 import signal
 import sys
 
-__all__ = ["die_with_parent"]
+__all__ = ["children_die_with_this_process", "die_with_parent"]
 
 _PR_SET_PDEATHSIG = 1
+_registered = False
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:
@@ -35,3 +40,15 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         return
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)  # the parent died before we asked
+
+
+def children_die_with_this_process() -> None:
+    """Have every child this process forks from now on (DataLoader workers, say) killed when it exits.
+
+    Once per process (an ``os.register_at_fork`` hook); Linux only.
+    """
+    global _registered
+    if _registered or not sys.platform.startswith("linux"):
+        return
+    os.register_at_fork(after_in_child=die_with_parent)
+    _registered = True

@@ -14,13 +14,15 @@ import runpy
 import sys
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, write_record
-from ddpkit._orphans import die_with_parent
+from ddpkit._orphans import children_die_with_this_process, die_with_parent
 from ddpkit._stores import serve_on_loopback
+from ddpkit._watchdog import enable_flight_recorder, hang_timeout, start_watchdog
 
 
 def main() -> None:
     """Run the script or module named by ``sys.argv[1:]`` (``script.py args`` or ``-m module args``)."""
     die_with_parent()
+    children_die_with_this_process()
     args = sys.argv[1:]
     as_module = bool(args) and args[0] == "-m"
     if as_module:
@@ -35,11 +37,16 @@ def run_target(target: str, args: list[str], as_module: bool = False) -> None:
 
     On rank 0 with a loopback ``MASTER_ADDR``, first host the process-group store
     on the loopback address (``init_process_group`` in the script reuses it; torch
-    alone would listen on every interface).
+    alone would listen on every interface). Unless ``DDPKIT_HANG_TIMEOUT`` is
+    ``0``, torch's flight recorder is turned on and a hang watchdog attaches to
+    the default process group once the script creates it.
     """
     address, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     if os.environ.get("RANK") == "0" and port.isdigit():
         serve_on_loopback(address, int(port), if_taken="torch")
+    if hang_timeout() is not None:  # watch the group the script creates, plain init_process_group included
+        enable_flight_recorder()
+        start_watchdog(wait_for_group=True)
     sys.argv = [target, *args]
     directory = os.environ.get(FAILURE_DIR_VARIABLE)
     try:

@@ -40,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_job_arguments(run)
     run.add_argument("--max-restarts", type=int, default=0, help="restarts of all workers after a failure (default 0)")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a rank may wait in one collective before the job is reported as hung and stopped "
+        "(default 300, or DDPKIT_HANG_TIMEOUT; 0: never)",
+    )
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
     run.add_argument("--doctor", action="store_true", help="run `ddpkit doctor` on these processes instead of SCRIPT")
     run.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module, with -m)")
@@ -149,8 +157,9 @@ def _run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             module=args.module,
             join_timeout=args.join_timeout,
+            timeout=args.timeout,
         )
-    except (WorkerFailedError, RendezvousFailedError, PortTakenError) as error:
+    except (WorkerFailedError, RendezvousFailedError, PortTakenError, ClusterEnvironmentError) as error:
         return _fail("run", error)
     except ValueError as error:
         return _fail("run", error, status=2)

@@ -10,6 +10,7 @@ __all__ = [
     "ClusterEnvironmentError",
     "CollectiveMismatchError",
     "DDPKitError",
+    "HangError",
     "PortTakenError",
     "RendezvousFailedError",
     "WarningDDP",
@@ -73,6 +74,53 @@ class WorkerFailedError(DDPKitError):
 
     def __reduce__(self) -> tuple[type[WorkerFailedError], tuple[int, int, str, str, dict[int, str]]]:
         return (type(self), (self.rank, self.exitcode, self.error, self.traceback, self.failures))
+
+
+class HangError(WorkerFailedError):
+    """A launched job hung: a rank waited in a collective past the deadline, and the job was stopped.
+
+    The message is the watchdog's report: the rank(s) that did not arrive, every
+    rank's collective (op, sequence number, shapes and dtypes) or none, where
+    each rank's code was (its Python stack, the user's own frames marked), and
+    the path of the full report file. A ``WorkerFailedError``, so code that
+    catches those catches this too.
+
+    Attributes:
+        report: the report text (the message).
+        stragglers: ranks that did not arrive at the collective the others wait
+            in (or did not answer); empty when the ranks called mismatched
+            collectives or every rank is stuck in the same one.
+        mismatched: ranks whose collective differs from the others' at the same
+            point (a different op, shape or dtype).
+        report_path: the full report (every thread of every rank), or ``None``.
+        rank: the first straggler, else the first mismatched rank, else the rank
+            that wrote the report.
+    """
+
+    def __init__(
+        self,
+        report: str,
+        stragglers: list[int],
+        report_path: str | None = None,
+        rank: int = 0,
+        failures: dict[int, str] | None = None,
+        mismatched: list[int] | None = None,
+    ) -> None:
+        self.report = report
+        self.stragglers = list(stragglers)
+        self.mismatched = list(mismatched or [])
+        self.report_path = report_path
+        self.rank = rank
+        self.exitcode = 1
+        self.error = report.splitlines()[0] if report else "the job hung"
+        self.traceback = ""
+        self.failures = dict(failures) if failures is not None else {rank: self.error}
+        DDPKitError.__init__(self, report)
+
+    def __reduce__(  # type: ignore[override]
+        self,
+    ) -> tuple[type[HangError], tuple[str, list[int], str | None, int, dict[int, str], list[int]]]:
+        return (type(self), (self.report, self.stragglers, self.report_path, self.rank, self.failures, self.mismatched))
 
 
 class PortTakenError(DDPKitError):

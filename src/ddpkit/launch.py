@@ -44,10 +44,12 @@ from typing import Any, Literal
 import torch
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error, write_record
-from ddpkit._orphans import die_with_parent
+from ddpkit._orphans import children_die_with_this_process, die_with_parent
 from ddpkit._stores import release_loopback_store, serve_on_loopback
+from ddpkit._watchdog import TIMEOUT_VARIABLE, hang_timeout
 from ddpkit.environments import ClusterEnvironment, TorchElasticEnvironment, detect_environment, is_loopback
-from ddpkit.errors import RendezvousFailedError
+from ddpkit.environments.base import check_resolves
+from ddpkit.errors import ClusterEnvironmentError, RendezvousFailedError
 from ddpkit.process_group import barrier, destroy_dist_connection, init_dist_connection
 
 __all__ = ["launch", "run_script", "scheduler_environment"]
@@ -62,6 +64,7 @@ _AGENT_ENV = (
     "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "OMP_NUM_THREADS",
     FAILURE_DIR_VARIABLE,
+    TIMEOUT_VARIABLE,
 )
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 #: The pickled function and arguments, in the launch's private directory (beside the failure records).
@@ -115,7 +118,13 @@ def launch(
             127.0.0.1 (single node only).
         start_method: ``"spawn"`` (default, safe with CUDA and threads),
             ``"forkserver"`` or ``"fork"``.
-        timeout: process-group timeout in seconds (default torch's, 30 minutes for gloo).
+        timeout: seconds a rank may wait in one collective before the job counts
+            as hung (default 300, or ``DDPKIT_HANG_TIMEOUT``; ``0`` turns the
+            watchdog off): the job then stops and :class:`~ddpkit.HangError`
+            names the rank(s) that did not arrive, every rank's collective and
+            Python stack, and the full report's file. With ``max_restarts`` a
+            hang is a failure like any other: the workers restart. The process
+            group's own timeout is at least this plus 60 s.
         run_id: rendezvous id shared by the nodes of one job; default a fresh
             id (single node) or ``"ddpkit"`` (several nodes).
         join_timeout: seconds the nodes have to join the rendezvous (torch's
@@ -139,10 +148,13 @@ def launch(
         scheduler: for this process).
 
     Raises:
+        HangError: the job hung past ``timeout`` (after ``max_restarts`` restarts);
+            a :class:`~ddpkit.WorkerFailedError`.
         WorkerFailedError: a worker raised or died (after ``max_restarts``
             restarts); every worker has been stopped when it is raised, and it
             names the first failing rank with its error text and traceback.
-        RendezvousFailedError: the nodes did not all join within ``join_timeout``.
+        RendezvousFailedError: the nodes did not all join within ``join_timeout``,
+            or ``rdzv_endpoint`` names a host that does not resolve.
         PortTakenError: the loopback rendezvous port is held by another program.
         TypeError: ``fn`` or the arguments cannot be pickled (a lambda, a nested
             function) with ``spawn``/``forkserver``.
@@ -156,6 +168,7 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _check_missing_main_guard()
+    hang_timeout(timeout)  # a bad value raises here, not in every worker
     scheduler = scheduler_environment()
     if scheduler is not None:
         spec = _WorkerSpec(fn, "", dict(kwargs), backend, timeout)
@@ -212,6 +225,7 @@ def run_script(
     max_restarts: int = 0,
     module: bool = False,
     join_timeout: float | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Run a torchrun-style script (``python script.py args``) on ``nprocs`` processes per node.
 
@@ -228,7 +242,13 @@ def run_script(
     with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` set from the scheduler's variables.
 
+    ``timeout`` is the hang deadline of :func:`launch` (seconds in one
+    collective; default 300): each worker watches its collectives from the
+    moment its script creates the default process group (even with a plain
+    ``init_process_group``).
+
     Raises:
+        HangError: the job hung past ``timeout``.
         WorkerFailedError: a worker exited non-zero or died (after ``max_restarts``
             restarts); its traceback is in its stderr unless it used ``@record``.
         RendezvousFailedError: the nodes did not all join within ``join_timeout``.
@@ -239,20 +259,24 @@ def run_script(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
+    deadline = hang_timeout(timeout)
     scheduler = scheduler_environment()
     if scheduler is not None:
         # Imported here: `python -m ddpkit._script_runner` must not find it imported already.
         from ddpkit._script_runner import run_target
 
         _warn_ignored_nprocs(scheduler, nprocs)
+        check_resolves(scheduler.master_address(), scheduler.master_address_source())
         _limit_threads(scheduler.local_world_size())
         os.environ.update(_torchrun_variables(scheduler))
+        os.environ[TIMEOUT_VARIABLE] = str(deadline or 0)
         run_target(script, list(script_args), as_module=module)
         return
     nprocs = _default_nprocs() if nprocs is None else nprocs
     _check_counts(nprocs, nnodes, max_restarts)
     endpoint, rdzv_id, local_addr = _rendezvous(nnodes, rdzv_endpoint, run_id)
     with _agent_scope() as failure_dir, _rendezvous_store(endpoint, nnodes) as endpoint:
+        os.environ[TIMEOUT_VARIABLE] = str(deadline or 0)  # read by every worker's watchdog
         argv = [
             f"--nnodes={nnodes}",
             f"--nproc-per-node={nprocs}",
@@ -298,8 +322,7 @@ def _run_in_this_task(
     _warn_ignored_nprocs(env, nprocs)
     _limit_threads(env.local_world_size())
     spec, args = pickle.loads(_pickled(spec, args))  # its own copy, as a spawned worker has
-    options: dict[str, Any] = {} if spec.timeout is None else {"timeout": spec.timeout}
-    init_dist_connection(env, spec.backend, **options)
+    init_dist_connection(env, spec.backend, hang_timeout=spec.timeout)
     try:
         result = spec.fn(*args, **spec.kwargs)
         barrier()  # rank 0 hosts the store: keep it up until every rank is done
@@ -343,11 +366,11 @@ def _worker_entry(payload: str | tuple[_WorkerSpec, tuple[Any, ...]]) -> Any:
         spec, args = payload
     parent = multiprocessing.parent_process()
     die_with_parent(parent.pid if parent is not None else None)
+    children_die_with_this_process()
     env = TorchElasticEnvironment()
     _limit_threads(env.local_world_size())
-    options: dict[str, Any] = {} if spec.timeout is None else {"timeout": spec.timeout}
     try:
-        init_dist_connection(env, spec.backend, **options)
+        init_dist_connection(env, spec.backend, hang_timeout=spec.timeout)
         result = spec.fn(*args, **spec.kwargs)
         # Rank 0 hosts this attempt's store: keep it up until every rank is done.
         barrier()
@@ -401,6 +424,10 @@ def _rendezvous(nnodes: int, rdzv_endpoint: str | None, run_id: str | None) -> t
     endpoint = rdzv_endpoint or "127.0.0.1:0"
     host = endpoint.rsplit(":", 1)[0].strip("[]")
     local_addr = "127.0.0.1" if is_loopback(host) else None
+    try:
+        check_resolves(host, f"the host of rdzv_endpoint={endpoint!r}")
+    except ClusterEnvironmentError as exc:
+        raise RendezvousFailedError(str(exc)) from None
     return endpoint, run_id or ("ddpkit" if nnodes > 1 else uuid.uuid4().hex), local_addr
 
 

@@ -20,8 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddpkit import _watchdog as watchdog
 from ddpkit._stores import release_loopback_store, serve_on_loopback
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback
+from ddpkit.environments.base import check_resolves
 from ddpkit.errors import ClusterEnvironmentError, DDPKitError
 
 __all__ = [
@@ -49,6 +51,8 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+#: torch's shortest default process-group timeout (NCCL's 10 minutes; gloo's is 30).
+_SHORTEST_DEFAULT_TIMEOUT_S = 600
 
 
 class SupportsClusterEnvironment(Protocol):
@@ -84,6 +88,8 @@ def init_dist_connection(
     torch_distributed_backend: str | None = None,
     global_rank: int | None = None,
     world_size: int | None = None,
+    *,
+    hang_timeout: float | None = None,
     **kwargs: Any,
 ) -> None:
     """Initialise the default process group from a cluster environment (seed 003).
@@ -107,6 +113,14 @@ def init_dist_connection(
             local rank is below the device count), else ``gloo``.
         global_rank: this process's rank; default the environment's.
         world_size: number of processes; default the environment's.
+        hang_timeout: seconds a rank may wait in one collective before the job
+            counts as hung (default ``DDPKIT_HANG_TIMEOUT``, else 300; ``0``
+            turns the watchdog off). With several processes a watchdog thread
+            then watches every collective of this process (torch's flight
+            recorder is turned on for it); past the deadline every rank's state
+            and stack go into one report and the job stops (see the README,
+            "When a job hangs"). The process group's own ``timeout`` defaults to
+            at least this plus 60 s, so that the report comes first.
         **kwargs: forwarded to ``init_process_group``, e.g. ``timeout`` (a
             ``timedelta``, or a number of seconds) or ``init_method``.
 
@@ -121,7 +135,8 @@ def init_dist_connection(
             ones), ``nccl`` without a CUDA device, or a rank outside
             ``[0, world_size)``.
         ClusterEnvironmentError: several processes but no ``MASTER_PORT`` they
-            could agree on, or inconsistent environment variables.
+            could agree on, inconsistent environment variables, or a master
+            address that does not resolve (naming it and where it came from).
         DDPKitError: a group exists with a different rank or world size.
     """
     if not dist.is_available():
@@ -151,6 +166,13 @@ def init_dist_connection(
         )
 
     address, port = main_address_and_port(env)
+    source = getattr(env, "master_address_source", None)
+    check_resolves(address, source() if callable(source) else f"the master address of {type(env).__name__}")
+    deadline = watchdog.hang_timeout(hang_timeout) if size > 1 else None
+    if deadline is not None:
+        watchdog.enable_flight_recorder()
+        if "timeout" not in kwargs and deadline + 60 > _SHORTEST_DEFAULT_TIMEOUT_S:
+            kwargs["timeout"] = deadline + 60
     os.environ["MASTER_ADDR"] = address
     os.environ["MASTER_PORT"] = str(port)
     if "gloo" in backend and is_loopback(address):
@@ -171,11 +193,14 @@ def init_dist_connection(
         release_loopback_store(_served_port)
         _served_port = None
         raise
+    if deadline is not None:
+        watchdog.start_watchdog(deadline)
 
 
 def destroy_dist_connection() -> None:
-    """Destroy the default process group, if there is one (every rank must call it)."""
+    """Destroy the default process group, if there is one (every rank must call it); stop its hang watchdog."""
     global _served_port
+    watchdog.stop_watchdog()
     if is_distributed():
         dist.destroy_process_group()
     release_loopback_store(_served_port)
@@ -259,7 +284,8 @@ def rank_zero_first(group: dist.ProcessGroup | None = None) -> Iterator[None]:
     raises inside the body, the other ranks are still released and raise
     :class:`~ddpkit.DDPKitError` carrying rank 0's error instead of running their
     body; nothing hangs. Costs one broadcast (two when rank 0 failed). Without a
-    process group it just runs the body.
+    process group it just runs the body. The other ranks' wait does not count
+    towards the hang timeout.
 
     Raises:
         DDPKitError: on ranks other than 0, when rank 0's body raised.
@@ -279,7 +305,8 @@ def rank_zero_first(group: dist.ProcessGroup | None = None) -> Iterator[None]:
         finally:
             _send_status(failure, src, device, group)
     else:
-        error = _receive_status(src, device, group)
+        with watchdog.paused():  # rank 0 may take long (a download): waiting for it is not a hang
+            error = _receive_status(src, device, group)
         if error is not None:
             raise DDPKitError(f"rank 0 failed inside rank_zero_first, so this rank did not run its body: {error}")
         yield

@@ -12,7 +12,9 @@ W x B. Validation metrics are computed on every sample exactly once
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -20,14 +22,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
+from ddpkit._watchdog import StackDumpOnSignal, paused
 from ddpkit.callbacks import Callback, CallbacksHandler
 from ddpkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from ddpkit.collectives import all_gather_object, sync_ddp
+from ddpkit.collectives import all_gather_object, mp_sync, sync_ddp
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin, move_data_to_device
+from ddpkit.errors import DDPKitError
 from ddpkit.launch import launch, scheduler_environment
 from ddpkit.loaders import build_loader_sampler
 from ddpkit.ordered import gather_in_order
@@ -114,6 +119,11 @@ class TrainLoop:
         #: the checkpoint's (all ranks') partial sums on rank 0, so its train loss is the uninterrupted one.
         self._epoch_sums = torch.zeros(2, dtype=torch.float64)
         self._original_loaders = {name: getattr(self, name) for name, _ in LOADER_ATTRIBUTES}
+        #: Each rank's mean time per batch in the last epoch (ms) from the end of one step to the start of the
+        #: next backward: loading and forward, before the step's all-reduce (where a fast rank waits for a
+        #: slow one). Empty in one process.
+        self.step_times: list[float] = []
+        self._forward_calls = 0
 
     # --- the steps to override --------------------------------------------------------------------
 
@@ -217,7 +227,16 @@ class TrainLoop:
         process trains as one of its ranks, ``num_processes`` is ignored, and
         :attr:`history` is this rank's (the same numbers on every rank).
 
+        Args:
+            num_epochs, grad_accumulation, callbacks: as for :meth:`fit`.
+            num_processes: worker processes (default 2).
+            backend: the process-group backend (default: NCCL on GPUs, else gloo).
+            max_restarts: restarts of all workers after a failure or a hang.
+            timeout: seconds a rank may wait in one collective before the job
+                counts as hung (default 300; ``0``: never), as in :func:`~ddpkit.launch`.
+
         Raises:
+            HangError: the job hung (after ``max_restarts`` restarts).
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """
         in_this_process = scheduler_environment() is not None  # srun, mpirun, torchrun: no spawning
@@ -276,14 +295,29 @@ class TrainLoop:
         if self.ddp_handler is None:
             self.ddp_handler = DDPHandler(self)
             self.ddp_handler.add_distributed_samplers(get_world_size(), get_rank())
+            self._dump_worker_stacks_in_hang_reports()
         if self.ddp_model is None:
             if is_distributed():
                 device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
                 self.ddp_model = self.plugin.configure_ddp(self.model, device_ids)
+                self.ddp_model.register_forward_pre_hook(self._count_forward)
             else:
                 self.ddp_model = self.model
             self.plugin.on_after_setup_optimizers(self)
         return self.ddp_model
+
+    def _dump_worker_stacks_in_hang_reports(self) -> None:
+        """The DataLoader workers of the loaders ddpkit rebuilt show their stacks in a hang report (also when
+        they are spawned, which they are in a worker of ``launch``)."""
+        if not is_distributed():
+            return
+        for name, original in self._original_loaders.items():
+            loader = getattr(self, name)
+            if loader is not None and loader is not original and loader.num_workers > 0:
+                loader.worker_init_fn = StackDumpOnSignal(loader.worker_init_fn)
+
+    def _count_forward(self, module: nn.Module, args: Any) -> None:
+        self._forward_calls += 1
 
     def _reset_distributed(self) -> None:
         """Forget the sharding and the DDP wrapper (a worker of :meth:`fit_distributed` sets up anew)."""
@@ -303,6 +337,7 @@ class TrainLoop:
 
     def _train_epoch(self, model: nn.Module, accumulation: int, num_epochs: int) -> float:
         model.train()
+        synced = isinstance(model, DistributedDataParallel)
         start, self._resume_batch = self._resume_batch, 0
         if start:
             self._train_sampler().set_start(start * self._entries_per_batch())
@@ -314,12 +349,17 @@ class TrainLoop:
             loader, total=total_batches, initial=start, unit="batch", leave=False,
             desc=f"epoch {self.epoch + 1}/{num_epochs}", disable=not (self.progress and get_rank() == 0),
         )  # fmt: skip
+        busy, previous = 0.0, time.perf_counter()
         for index, batch in enumerate(bar, start=start):
             batch = self.batch_to_device(batch)
             steps = (index + 1) % accumulation == 0 or index + 1 == total_batches
             blocking = contextlib.nullcontext() if steps else self.plugin.block_backward_sync(model)
             with blocking:  # forward and backward inside: DDP decides at the forward whether to sync
+                calls = self._forward_calls
                 loss = self.training_step(model, batch)
+                busy += time.perf_counter() - previous  # loading and forward: before this step's all-reduce
+                if synced and steps and self._forward_calls == calls:
+                    raise self._skipped_model_error(index)
                 (loss / accumulation).backward()  # type: ignore[no-untyped-call]
             count = _batch_size(batch)
             self._epoch_sums += torch.tensor([float(loss.detach()) * count, count], dtype=torch.float64)
@@ -334,8 +374,24 @@ class TrainLoop:
                     and self.global_step % self.checkpoint_every == 0
                 ):
                     self._save_checkpoint(batch=index + 1)
+            previous = time.perf_counter()
         summed = sync_ddp(self._epoch_sums.clone())
+        if synced:
+            self.step_times = [1000 * t for t in mp_sync(busy / max(1, total_batches - start), True).tolist()]
         return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
+
+    def _skipped_model_error(self, index: int) -> DDPKitError:
+        """This rank's training step did not run the DDP model: it would skip the all-reduce the others wait in."""
+        where = ""
+        with contextlib.suppress(TypeError, OSError):
+            method = type(self).training_step
+            where = f" ({inspect.getsourcefile(method)}:{inspect.getsourcelines(method)[1]})"
+        return DDPKitError(
+            f"rank {get_rank()}: training_step{where} did not call the model in step {self.global_step + 1} (epoch "
+            f"{self.epoch + 1}, batch {index}), so this rank would skip DDP's gradient all-reduce that the other "
+            "ranks wait in: the ranks would go out of step (a hang, or gradients of different steps averaged). "
+            "Call the model on every rank in every step; to drop a bad batch, multiply its loss by 0 instead"
+        )
 
     def _train_sampler(self) -> DistributedSamplerWrapper:
         sampler = self.ddp_handler.samplers.get("train_loader") if self.ddp_handler is not None else None
@@ -358,6 +414,11 @@ class TrainLoop:
             return
         parts = [f"epoch {self.epoch + 1:>2}/{num_epochs}", f"train loss {loss:.4f}"]
         parts += [f"validation {name} {value:.4f}" for name, value in metrics.items()]
+        if len(self.step_times) > 1:
+            slowest = max(range(len(self.step_times)), key=self.step_times.__getitem__)
+            parts.append(
+                f"load+forward {min(self.step_times):.1f}-{max(self.step_times):.1f} ms/batch (slowest rank {slowest})"
+            )
         tqdm.write("  ".join(parts))
         log.info("  ".join(parts))
 
@@ -382,7 +443,8 @@ class TrainLoop:
                 "history": {name: list(values) for name, values in self.history.items()},
             }
             save_checkpoint(state, self.checkpoint_dir / CHECKPOINT_FILE)
-        barrier()
+        with paused():  # rank 0 may write for long: the others' wait is not a hang
+            barrier()
 
     def _resume(self) -> None:
         """Load the checkpoint in ``checkpoint_dir``, if there is one, on every rank."""

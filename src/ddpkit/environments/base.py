@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from ddpkit.errors import ClusterEnvironmentError
 
-__all__ = ["ClusterEnvironment", "ClusterSettings", "find_free_port", "is_loopback"]
+__all__ = ["ClusterEnvironment", "ClusterSettings", "check_resolves", "find_free_port", "is_loopback"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class ClusterSettings:
         local_world_size: number of this job's processes on this node, or
             ``None`` when the variables do not say (used to share the node's
             CPU cores among them).
+        master_addr_source: where ``master_addr`` came from, for error messages
+            (``"MASTER_ADDR"``, ``"the first host of SLURM_JOB_NODELIST='...'"``).
     """
 
     master_addr: str
@@ -40,6 +42,7 @@ class ClusterSettings:
     local_rank: int
     node_rank: int
     local_world_size: int | None = None
+    master_addr_source: str = "MASTER_ADDR"
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -124,6 +127,10 @@ class ClusterEnvironment(ABC):
         """Index of this process's node."""
         return self.settings.node_rank
 
+    def master_address_source(self) -> str:
+        """Where :meth:`master_address` came from (a variable, or how it was derived), for error messages."""
+        return self.settings.master_addr_source
+
     def local_world_size(self) -> int | None:
         """Number of this job's processes on this node; ``None`` when the environment does not say."""
         return self.settings.local_world_size
@@ -206,6 +213,23 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def check_resolves(host: str, source: str) -> None:
+    """Raise unless ``host`` resolves to an address, before any process waits to meet the others there.
+
+    Raises:
+        ClusterEnvironmentError: naming the host, where it came from (``source``) and the resolver's answer.
+    """
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise ClusterEnvironmentError(
+            f"the master address {host!r} ({source}) does not resolve ({reason}); every rank would wait there "
+            "for the others until a timeout. Fix: make the host name resolvable on every node (DNS or /etc/hosts), "
+            "or export MASTER_ADDR=<an address of rank 0's node that every node can reach>"
+        ) from None
 
 
 def is_loopback(host: str) -> bool:

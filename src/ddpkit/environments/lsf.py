@@ -62,6 +62,9 @@ class LSFEnvironment(ClusterEnvironment):
             port = 10000 + int_var(env, "LSB_JOBID") % 1000
         return ClusterSettings(
             master_addr=env.get("MASTER_ADDR", "").strip() or distinct[0],
+            master_addr_source="MASTER_ADDR"
+            if env.get("MASTER_ADDR", "").strip()
+            else f"the first compute host of LSB_DJOB_RANKFILE={env['LSB_DJOB_RANKFILE']!r}",
             master_port=port,
             world_size=world_size,
             global_rank=rank,

@@ -59,12 +59,14 @@ class SLURMEnvironment(ClusterEnvironment):
         check_below("SLURM_LOCALID", local_rank, "SLURM_NTASKS", world_size)
 
         master_addr = env.get("MASTER_ADDR", "").strip()
+        source = "MASTER_ADDR"
         nodelist = env.get(nodelist_var, "").strip()
         hosts = expand_hostlist(nodelist) if nodelist else []
         node_rank = _node_rank(env, hosts, nodelist_var)
         if hosts:
             check_below("SLURM_NODEID", node_rank, f"the number of hosts in {nodelist_var}={nodelist!r}", len(hosts))
-            master_addr = master_addr or hosts[0]
+            if not master_addr:
+                master_addr, source = hosts[0], f"the first host of {nodelist_var}={nodelist!r}"
         if not master_addr:
             raise ClusterEnvironmentError(
                 "the SLURM environment is half-set: neither SLURM_JOB_NODELIST nor SLURM_NODELIST "
@@ -81,7 +83,9 @@ class SLURMEnvironment(ClusterEnvironment):
         local_world_size = _tasks_on_this_node(env, node_rank, len(hosts), world_size)
         if local_world_size is not None and not local_rank < local_world_size <= world_size:
             local_world_size = None  # contradicts SLURM_LOCALID: unknown rather than wrong
-        return ClusterSettings(master_addr, master_port, world_size, rank, local_rank, node_rank, local_world_size)
+        return ClusterSettings(
+            master_addr, master_port, world_size, rank, local_rank, node_rank, local_world_size, source
+        )
 
 
 def _tasks_on_this_node(env: Mapping[str, str], node_rank: int, hosts: int, world_size: int) -> int | None:

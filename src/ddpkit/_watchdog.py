@@ -1,0 +1,454 @@
+"""The hang watchdog: a thread in every worker that turns a collective stuck past its deadline into a report.
+
+Built on torch's flight recorder (``TORCH_FR_BUFFER_SIZE``), which records every
+collective of every process group, ddpkit's, the user's raw
+``torch.distributed`` calls and DDP's gradient all-reduce alike: sequence
+number, op, shapes, dtypes, the Python stack of the call, and whether it is
+still in flight. Every tenth of the deadline (at most 5 s) the watchdog reads
+its own in-flight collectives; one older than the deadline means the job
+hangs. Then, through a second connection to the process group's store:
+
+1. the first rank to notice becomes the leader and sets a trigger;
+2. every rank's watchdog answers with its latest collective per group and the
+   Python stack of every thread (and of its forked DataLoader workers);
+3. the leader compares them (:mod:`ddpkit._hang_report`), writes the full
+   report to a file, leaves a failure record for the launcher, prints the
+   summary, and every rank ends its process (exit code 1), so the job stops
+   instead of waiting for the process-group timeout.
+
+A rank that spins in Python or waits in C code still answers (the thread gets
+the GIL between bytecodes, or the GIL is released); one stuck in C code that
+holds the GIL cannot, and the report says so. :func:`paused` keeps known long
+waits (rank 0 writing a checkpoint while the others wait) from counting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit._failures import FAILURE_DIR_VARIABLE, write_hang_record
+from ddpkit._hang_report import RankState, analyse, full_report, summary
+from ddpkit._orphans import children_die_with_this_process, die_with_parent
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "REPORT_DIR_VARIABLE",
+    "TIMEOUT_VARIABLE",
+    "StackDumpOnSignal",
+    "enable_flight_recorder",
+    "hang_timeout",
+    "install_stack_dump",
+    "paused",
+    "start_watchdog",
+    "stop_watchdog",
+]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a rank may wait in one collective before the job counts as hung (5 minutes; see the README).
+DEFAULT_TIMEOUT = 300.0
+#: Environment variable holding the deadline in seconds for the workers of a job (``0`` or ``off``: no watchdog).
+TIMEOUT_VARIABLE = "DDPKIT_HANG_TIMEOUT"
+#: Environment variable naming the directory for hang reports (default: the system's temporary directory).
+REPORT_DIR_VARIABLE = "DDPKIT_HANG_REPORT_DIR"
+_RECORDER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_RECORDER_ENTRIES = "256"
+_KEYS = "ddpkit/hang/"
+#: Seconds the leader waits for every rank's answer, and the others for the leader's report.
+_ANSWER_WINDOW = 5.0
+
+_STACK_FILE_PREFIX = "ddpkit-stacks-"
+
+_current: Watchdog | None = None
+_pauses = 0
+_lock = threading.Lock()
+#: This process's stack-dump file, and the pid that made it (a forked child makes its own).
+_stack_dump: tuple[int, Any] | None = None
+_hooked_forks = False
+
+
+def enable_flight_recorder() -> None:
+    """Turn on torch's flight recorder for the process groups created from now on, unless its size is set."""
+    if not any(os.environ.get(name) for name in _RECORDER_VARIABLES):
+        os.environ["TORCH_FR_BUFFER_SIZE"] = _RECORDER_ENTRIES
+
+
+def hang_timeout(explicit: float | None = None) -> float | None:
+    """The deadline in seconds: ``explicit``, else ``DDPKIT_HANG_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`;
+    ``None`` when the watchdog is off (``0``, ``off`` or infinity).
+
+    Raises:
+        ValueError: a negative or unreadable value (naming it).
+    """
+    if explicit is None:
+        raw = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+        if raw.lower() in ("off", "none", "false"):
+            return None
+        try:
+            explicit = float(raw) if raw else DEFAULT_TIMEOUT
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_VARIABLE}={raw!r} is not a number of seconds (or 'off')") from None
+    if explicit < 0 or explicit != explicit:
+        raise ValueError(f"the hang timeout must be a number of seconds >= 0 (0 turns it off), got {explicit!r}")
+    return None if explicit == 0 or explicit == float("inf") else float(explicit)
+
+
+def start_watchdog(timeout: float | None = None, *, wait_for_group: bool = False) -> None:
+    """Watch this process's collectives (once per process; a no-op when it runs already or the deadline is off).
+
+    Args:
+        timeout: the deadline in seconds (see :func:`hang_timeout`).
+        wait_for_group: start before the default process group exists and attach
+            when it appears (a script that calls ``init_process_group`` itself).
+    """
+    global _current
+    deadline = hang_timeout(timeout)
+    if deadline is None or not _recorder_available():
+        return
+    with _lock:
+        if _current is not None and _current.is_alive():
+            return
+        _current = Watchdog(deadline, wait_for_group=wait_for_group)
+        _dump_stacks_in_forked_children()  # now, in this thread: before any DataLoader forks its workers
+        children_die_with_this_process()  # a hung rank's forked workers must not outlive it
+        _current.start()
+
+
+def stop_watchdog() -> None:
+    """Stop this process's watchdog (before its process group is destroyed)."""
+    global _current
+    with _lock:
+        watchdog, _current = _current, None
+    if watchdog is not None:
+        watchdog.stop()
+
+
+def install_stack_dump() -> None:
+    """Dump this process's Python stacks into a private file on SIGUSR2 (for a hang report of its parent).
+
+    The file is unlinked at once (its parent reads it through ``/proc/PID/fd``), so
+    nothing is left behind. Nothing happens where SIGUSR2 has a handler already.
+    """
+    global _stack_dump
+    if not hasattr(signal, "SIGUSR2") or (_stack_dump is not None and _stack_dump[0] == os.getpid()):
+        return
+    if signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None):
+        return
+    try:
+        handle = tempfile.NamedTemporaryFile(mode="w+", prefix=_STACK_FILE_PREFIX, delete=False)  # noqa: SIM115
+        os.unlink(handle.name)
+        faulthandler.register(signal.SIGUSR2, file=handle, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError):
+        return
+    _stack_dump = (os.getpid(), handle)
+
+
+class StackDumpOnSignal:
+    """A DataLoader ``worker_init_fn`` that first makes the worker die with its rank and dump its stacks on
+    SIGUSR2 (:func:`install_stack_dump`), then calls the user's own function (picklable, so spawned workers get
+    it too)."""
+
+    def __init__(self, worker_init_fn: Any = None) -> None:
+        self.worker_init_fn = worker_init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        die_with_parent()  # a spawned worker gets no at-fork hook
+        install_stack_dump()
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_id)
+
+
+def _dump_stacks_in_forked_children() -> None:
+    global _hooked_forks
+    if not _hooked_forks and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=install_stack_dump)
+        _hooked_forks = True
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Within this block a long wait in a collective does not count as a hang on this rank (the watchdog still
+    answers another rank's report)."""
+    global _pauses
+    with _lock:
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _pauses -= 1
+
+
+class Watchdog(threading.Thread):
+    """One process's watchdog thread (see the module docstring)."""
+
+    def __init__(self, timeout: float, *, wait_for_group: bool = False) -> None:
+        super().__init__(name="ddpkit-hang-watchdog", daemon=True)
+        self.timeout = timeout
+        self.tick = min(5.0, max(0.1, timeout / 10))  # seconds between checks: within 10% of the deadline
+        self.wait_for_group = wait_for_group
+        self._stopped = threading.Event()
+        self._store: Any = None
+        self._rank = 0
+        self._world_size = 1
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self is not threading.current_thread():
+            self.join(timeout=2 * self.tick + 1)
+
+    def run(self) -> None:
+        try:
+            if not self._attach():
+                return
+            while not self._stopped.wait(self.tick):
+                if not dist.is_initialized():
+                    return
+                if self._store.check([_KEYS + "trigger"]):
+                    self._answer()
+                    self._end(leader=False)
+                if _pauses == 0 and self._oldest_wait() > self.timeout:
+                    self._lead()
+        except Exception as exc:  # the store or the group went away: the job is ending anyway
+            log.debug("hang watchdog stopped: %s", exc)
+
+    # --- set-up ------------------------------------------------------------------------------------
+
+    def _attach(self) -> bool:
+        while not dist.is_initialized():
+            if not self.wait_for_group or self._stopped.wait(0.2):
+                return False
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        store = dist.distributed_c10d._get_default_store()
+        try:
+            self._store = store.clone()  # type: ignore[attr-defined]  # its own connection: never queued behind the main thread's calls
+        except (RuntimeError, AttributeError):
+            self._store = store
+        return True
+
+    # --- detection ---------------------------------------------------------------------------------
+
+    def _oldest_wait(self) -> float:
+        """Seconds this rank has been in its oldest in-flight collective (0 when in none)."""
+        entries = json.loads(_dump_json(only_active=True)).get("entries", [])
+        created = [int(e["time_created_ns"]) for e in entries if not e.get("retired") and not e.get("is_p2p")]
+        return (time.time_ns() - min(created)) / 1e9 if created else 0.0
+
+    # --- the report --------------------------------------------------------------------------------
+
+    def _lead(self) -> None:
+        if int(self._store.add(_KEYS + "leader", 1)) != 1:
+            return  # another rank leads: answer its trigger at the next tick
+        self._store.set(_KEYS + "trigger", str(self._rank))
+        self._answer()
+        states = self._collect()
+        analysis = analyse(states, self._world_size, self.timeout)
+        path = _write_report(full_report(analysis))
+        text = summary(analysis, path)
+        directory = os.environ.get(FAILURE_DIR_VARIABLE)
+        if directory:  # the launcher raises it as a HangError
+            named = analysis.stragglers or analysis.mismatched or [self._rank]
+            write_hang_record(directory, text, analysis.stragglers, analysis.mismatched, path, named[0])
+        else:  # a scheduler's task: nobody else will say it
+            print(text, file=sys.stderr, flush=True)
+        self._store.set(_KEYS + "done", path or "-")
+        self._end(leader=True)
+
+    def _answer(self) -> None:
+        state = {
+            "rank": self._rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "groups": _recorded_groups(),
+            "threads": _thread_stacks(skip=threading.get_ident()),
+            "children": self._children_stacks(),
+        }
+        _kill_children()  # their stacks are in; the job ends, and no rank exits before every rank answered
+        self._store.set(f"{_KEYS}answer/{self._rank}", json.dumps(state))
+
+    def _collect(self) -> dict[int, RankState]:
+        keys = [f"{_KEYS}answer/{rank}" for rank in range(self._world_size)]
+        deadline = time.monotonic() + _ANSWER_WINDOW
+        while time.monotonic() < deadline and not self._store.check(keys):
+            time.sleep(0.05)
+        states: dict[int, RankState] = {}
+        for rank, key in enumerate(keys):
+            if self._store.check([key]):
+                states[rank] = json.loads(self._store.get(key))
+        return states
+
+    def _end(self, leader: bool) -> None:
+        """Stop this process: the job is hung. The others wait for the leader's report first."""
+        if not leader:
+            deadline = time.monotonic() + 2 * _ANSWER_WINDOW
+            while time.monotonic() < deadline and not self._store.check([_KEYS + "done"]):
+                time.sleep(0.05)
+        _kill_children()
+        sys.stderr.flush()
+        os._exit(1)
+
+    def _children_stacks(self) -> list[dict[str, Any]]:
+        """The stacks of this process's children that dump them on SIGUSR2 (see :func:`install_stack_dump`);
+        the others are listed without one."""
+        stacks = []
+        for child in multiprocessing.active_children():
+            pid = child.pid
+            if pid is None:
+                continue
+            dump = _stack_file_of(pid) if _handles_sigusr2(pid) else None
+            stack = _signal_and_read(pid, dump) if dump else "(no stack: it does not dump it on SIGUSR2)"
+            stacks.append({"pid": pid, "name": child.name, "stack": stack})
+        return stacks
+
+
+# --- what this process knows ----------------------------------------------------------------------
+
+
+def _recorder_available() -> bool:
+    from torch._C import _distributed_c10d as c10d
+
+    return hasattr(c10d, "_dump_fr_trace_json") and hasattr(c10d, "_dump_fr_trace")
+
+
+def _dump_json(only_active: bool) -> bytes:
+    from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+
+    data: bytes = _dump_fr_trace_json(includeCollectives=True, onlyActive=only_active)
+    return data
+
+
+def _recorded_groups() -> dict[str, dict[str, Any]]:
+    """Per process group: its description, members (when the recorder knows them) and latest collective."""
+    from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
+
+    dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=True))
+    configs = dump.get("pg_config", {})
+    now = time.time_ns()
+    groups: dict[str, dict[str, Any]] = {}
+    for entry in dump.get("entries", []):
+        if entry.get("is_p2p"):
+            continue
+        name, description = [*entry.get("process_group", ()), "", ""][:2]
+        seq = int(entry.get("collective_seq_id", 0))
+        group = groups.setdefault(name, {"desc": description or name, "ranks": _members(configs, name, description)})
+        if group.get("last") and group["last"]["seq"] > seq:
+            continue
+        group["last"] = {
+            "seq": seq,
+            "op": entry.get("profiling_name", "?"),
+            "sizes": entry.get("input_sizes", []),
+            "dtypes": entry.get("input_dtypes", []),
+            "active": not entry.get("retired", True),
+            "age": (now - int(entry.get("time_created_ns", now))) / 1e9,
+            "frames": [[f.get("filename", "?"), f.get("line", 0), f.get("name", "?"), ""] for f in
+                       reversed(entry.get("frames", []))],
+        }  # fmt: skip
+    return groups
+
+
+def _members(configs: dict[str, Any], name: str, description: str) -> list[int] | None:
+    if description == "default_pg":
+        return None  # every rank
+    config = configs.get(name)
+    if not isinstance(config, dict):
+        return None
+    try:
+        ranks = json.loads(str(config.get("ranks", "")))
+    except ValueError:
+        return None
+    return [int(r) for r in ranks] if isinstance(ranks, list) else None
+
+
+def _thread_stacks(skip: int) -> list[dict[str, Any]]:
+    """Every thread's stack but the watchdog's, outermost frame first; the main thread first."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    main = threading.main_thread().ident
+    threads = []
+    for ident, frame in sys._current_frames().items():
+        if ident == skip:
+            continue
+        frames = [[f.filename, f.lineno, f.name, (f.line or "").strip()] for f in traceback.extract_stack(frame)]
+        threads.append({"name": names.get(ident, str(ident)), "main": ident == main, "frames": frames})
+    return sorted(threads, key=lambda t: not t["main"])
+
+
+def _kill_children() -> None:
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):
+            child.kill()
+
+
+def _stack_file_of(pid: int) -> str | None:
+    """``/proc/PID/fd/N`` of the child's unlinked stack-dump file, or ``None``."""
+    directory = f"/proc/{pid}/fd"
+    try:
+        for fd in os.listdir(directory):
+            with contextlib.suppress(OSError):
+                if _STACK_FILE_PREFIX in os.readlink(f"{directory}/{fd}"):
+                    return f"{directory}/{fd}"
+    except OSError:
+        return None
+    return None
+
+
+def _signal_and_read(pid: int, dump: str) -> str:
+    """Ask process ``pid`` for its stacks; what it writes within a second, once its dump stops growing."""
+    try:
+        with open(dump, encoding="utf-8", errors="replace") as handle:
+            start = handle.seek(0, os.SEEK_END)
+            os.kill(pid, signal.SIGUSR2)
+            text, previous = "", None
+            for _ in range(20):
+                time.sleep(0.05)
+                handle.seek(start)
+                text = handle.read()
+                if text and text == previous:
+                    break
+                previous = text
+    except OSError as exc:
+        return f"(no stack: {exc})"
+    return text
+
+
+def _handles_sigusr2(pid: int) -> bool:
+    """Whether process ``pid`` catches SIGUSR2 (Linux ``/proc/PID/status``), so that it dumps instead of dying."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGUSR2 - 1) & 1)
+    return False
+
+
+def _write_report(text: str) -> str | None:
+    directory = os.environ.get(REPORT_DIR_VARIABLE) or tempfile.gettempdir()
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        descriptor, path = tempfile.mkstemp(prefix=f"ddpkit-hang-{time.strftime('%Y%m%d-%H%M%S')}-",
+                                            suffix=".txt", dir=directory)  # fmt: skip
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as exc:
+        log.warning("could not write the hang report to %s: %s", directory, exc)
+        return None
+    return path
