@@ -8,6 +8,7 @@ at most 10 s), and that no process is left behind.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -283,3 +284,41 @@ def test_an_unresolvable_master_address_fails_before_any_wait() -> None:
         "the master address 'nosuchnode1.invalid' (the first host of SLURM_NODELIST='nosuchnode[1-2].invalid') "
         "does not resolve" in done.stderr
     ), done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_srun_style_tasks_print_the_report_and_all_exit(tmp_path: Path) -> None:
+    """No launcher to raise it: the report goes to stderr, and every task exits instead of waiting forever."""
+    script = tmp_path / "plain.py"
+    script.write_text(_PLAIN_SCRIPT)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", "run", "--timeout", str(DEADLINE), str(script), str(tmp_path)],
+            env={
+                **os.environ,
+                "SLURM_PROCID": str(rank),
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": str(rank),
+                "SLURM_NODELIST": "localhost",
+                "SLURM_JOB_ID": "4242",
+                "MASTER_PORT": str(port),
+                "SLURM_JOB_NAME": "plain",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+    outcomes = [task.communicate(timeout=100) for task in tasks]
+    ended = time.time()
+    assert [task.returncode for task in tasks] == [1, 1]
+    stderr = "".join(err for _, err in outcomes)
+    assert stderr.count("ddpkit: the job hung: rank 1 did not arrive at all_reduce #1 (float32 [2])") == 1
+    assert f"{script}:8 in <module>: time.sleep(120)" in stderr
+    assert ended - _started(tmp_path) <= DEADLINE + 10
+    _no_process_left(tmp_path)

@@ -223,8 +223,9 @@ class Watchdog(threading.Thread):
                 if not dist.is_initialized():
                     return
                 if self._store.check([_KEYS + "trigger"]):
-                    self._answer()
-                    self._end(leader=False)
+                    with contextlib.suppress(Exception):
+                        self._answer()
+                    self._end(leader=False)  # whatever happened: the job is hung
                 if _pauses == 0 and self._oldest_wait() > self.timeout:
                     self._lead()
         except Exception as exc:  # the store or the group went away: the job is ending anyway
@@ -296,11 +297,13 @@ class Watchdog(threading.Thread):
         return states
 
     def _end(self, leader: bool) -> None:
-        """Stop this process: the job is hung. The others wait for the leader's report first."""
+        """Stop this process: the job is hung. The others wait for the leader's report first (or until its store
+        goes away with it)."""
         if not leader:
             deadline = time.monotonic() + 2 * _ANSWER_WINDOW
-            while time.monotonic() < deadline and not self._store.check([_KEYS + "done"]):
-                time.sleep(0.05)
+            with contextlib.suppress(Exception):
+                while time.monotonic() < deadline and not self._store.check([_KEYS + "done"]):
+                    time.sleep(0.05)
         _kill_children()
         sys.stderr.flush()
         os._exit(1)
