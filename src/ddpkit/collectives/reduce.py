@@ -11,9 +11,8 @@ call here starts with the same collective on every rank, so none can mismatch:
    input. (Eligible ranks that differ in dtype or sum-vs-mean each get what they
    asked for; a NaN value merely takes the next step, which gives NaN too.)
 2. Otherwise a check: ``all_reduce`` of a fixed-size float64 vector holding a
-   signature ``s`` of (dtype, shape, op) and ``s**2``, twice (CRC-32 and
-   Adler-32). All ranks agree exactly when ``world_size * sum(s**2) ==
-   sum(s)**2``, in exact integers. Small ``sum``/``mean`` payloads ride along.
+   signature of (dtype, shape, op), twice (CRC-32 and Adler-32), in the terms of
+   :mod:`ddpkit.collectives.agreement`. Small ``sum``/``mean`` payloads ride along.
 3. Otherwise the native ``all_reduce`` of the payload, in its own dtype.
 
 Every rank decides from the same reduced numbers, so all take the same path,
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from ddpkit.collectives.agreement import all_equal, signature_terms
 from ddpkit.collectives.transport import GroupInfo, error_header, exchange, raise_errors
 from ddpkit.errors import CollectiveMismatchError
 
@@ -172,11 +172,9 @@ def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOp
         vector[0] = 1.0
     else:
         rides_along = op in ("sum", "mean") and _fits_float64(tensor, world_size)
-        bits = max(8, (53 - world_size.bit_length()) // 2)
         text = _describe(tensor, op).encode()
         for slot, signature in ((1, zlib.crc32(text)), (3, zlib.adler32(text))):
-            value = float(signature % (1 << bits) + 1)
-            vector[slot], vector[slot + 1] = value, value * value
+            vector[slot], vector[slot + 1] = signature_terms(signature, world_size)
         vector[5] = 0.0 if rides_along else 1.0
         if rides_along:
             vector[_CHECK : _CHECK + tensor.numel()] = tensor.detach().reshape(-1).to("cpu", torch.float64)
@@ -184,7 +182,7 @@ def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOp
     dist.all_reduce(vector, op=ReduceOp.SUM, group=group)
     totals = vector[:_CHECK].cpu().tolist()
 
-    agree = all(world_size * int(totals[slot + 1]) == int(totals[slot]) ** 2 for slot in (1, 3))
+    agree = all(all_equal(totals[slot], totals[slot + 1], world_size) for slot in (1, 3))
     if totals[0] or not agree:
         # Every rank saw the same totals, so every rank is here: tell them what each passed.
         if problem is not None:

@@ -1,0 +1,15 @@
+"""Shard any sampler or batch sampler across ranks: ``DistributedSamplerWrapper`` and ``DDPSamplerWrapper``.
+
+Three concepts, one module each: :mod:`~ddpkit.samplers.layout` (which
+positions go to which rank, and the tail: pad, drop or uneven),
+:mod:`~ddpkit.samplers.order` (the wrapped sampler's epoch, drawn the same way
+on every rank) and :mod:`~ddpkit.samplers.wrappers` (the public classes).
+"""
+
+from __future__ import annotations
+
+from ddpkit.samplers.layout import EpochLayout, Tail
+from ddpkit.samplers.order import epoch_seed
+from ddpkit.samplers.wrappers import DDPSamplerWrapper, DistributedSamplerWrapper
+
+__all__ = ["DDPSamplerWrapper", "DistributedSamplerWrapper", "EpochLayout", "Tail", "epoch_seed"]
