@@ -18,8 +18,8 @@ of the sender's flavour when the receiver runs another operating system), a
 A non-empty list of strings travels as one UTF-8 leaf joined by NUL (split in
 C on arrival), unless a string contains NUL.
 
-Buffer layout: 16-byte prefix (magic ``b"DDPK"``, version, flags, structure
-length), the JSON structure, then each leaf at a 16-byte boundary.
+A buffer is a frame of :mod:`ddpkit.framing`: the JSON structure is its head,
+the leaves (each at a 16-byte boundary) its body.
 """
 
 from __future__ import annotations
@@ -27,19 +27,15 @@ from __future__ import annotations
 import json
 import pathlib
 import pickle
-import struct
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["ALIGNMENT", "align", "pack", "unpack"]
+from ddpkit.framing import PREFIX, align, body_offset, pack_prefix, unpack_prefix
 
-#: Leaves start at multiples of this many bytes, so any dtype can view them in place.
-ALIGNMENT = 16
-_MAGIC = b"DDPK"
-_VERSION = 1
-_PREFIX = struct.Struct("<4sBBHQ")  # magic, version, flags, reserved, structure length
+__all__ = ["pack", "unpack"]
+
 _SCALARS = (str, int, float, bool, type(None))
 _SCALAR_TYPES = frozenset(_SCALARS)
 
@@ -47,11 +43,6 @@ _SCALAR_TYPES = frozenset(_SCALARS)
 def _all_scalars(items: list[Any]) -> bool:
     """Whether every item is a plain JSON scalar (checked in C: ~30 ns an item)."""
     return set(map(type, items)) <= _SCALAR_TYPES
-
-
-def align(n: int) -> int:
-    """``n`` rounded up to a multiple of :data:`ALIGNMENT`."""
-    return -(-n // ALIGNMENT) * ALIGNMENT
 
 
 def pack(obj: Any, *, allow_pickle: bool = False, device: torch.device | None = None) -> torch.Tensor:
@@ -65,15 +56,16 @@ def pack(obj: Any, *, allow_pickle: bool = False, device: torch.device | None = 
     leaves: list[torch.Tensor] = []
     tree = _Encoder(leaves, allow_pickle).encode(obj, "obj")
     structure = json.dumps(tree, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
-    pieces = [torch.frombuffer(bytearray(_PREFIX.pack(_MAGIC, _VERSION, 0, 0, len(structure))), dtype=torch.uint8)]
-    pieces.append(_bytes_tensor(structure))
-    offset = _PREFIX.size + len(structure)
+    pieces = [_bytes_tensor(structure)]
+    offset = PREFIX.size + len(structure)
     for leaf in leaves:
         padding = align(offset) - offset
         if padding:
             pieces.append(torch.zeros(padding, dtype=torch.uint8))
         pieces.append(leaf)
         offset += padding + leaf.numel()
+    body = max(0, offset - body_offset(len(structure)))
+    pieces.insert(0, _bytes_tensor(pack_prefix(len(structure), body)))
     target = device or torch.device("cpu")
     return torch.cat([piece.to(target) for piece in pieces])
 
@@ -103,15 +95,16 @@ def unpack(
         pickle.UnpicklingError: it holds pickled data and ``allow_pickle`` is false.
     """
     host = buffer.detach().reshape(-1)
-    if host.dtype != torch.uint8 or host.numel() < _PREFIX.size:
+    if host.dtype != torch.uint8 or host.numel() < PREFIX.size:
         raise ValueError(f"not a ddpkit codec buffer: {host.dtype} tensor of {host.numel()} elements")
-    magic, version, _, _, length = _PREFIX.unpack(bytes(host[: _PREFIX.size].cpu().numpy()))
-    if magic != _MAGIC or version != _VERSION:
-        raise ValueError(f"not a ddpkit codec buffer (magic {magic!r}, version {version})")
-    end = _PREFIX.size + length
+    try:
+        _, length, _ = unpack_prefix(bytes(host[: PREFIX.size].cpu().numpy()))
+    except ValueError as exc:
+        raise ValueError(f"not a ddpkit codec buffer ({exc})") from None
+    end = PREFIX.size + length
     if host.numel() < end:
         raise ValueError(f"truncated ddpkit codec buffer: {host.numel()} bytes, structure needs {end}")
-    structure = bytes(host[_PREFIX.size : end].cpu().numpy()).decode("utf-8", "surrogatepass")
+    structure = bytes(host[PREFIX.size : end].cpu().numpy()).decode("utf-8", "surrogatepass")
     return _Decoder(host, end, allow_pickle, copy, device).decode(json.loads(structure))
 
 

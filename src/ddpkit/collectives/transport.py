@@ -3,9 +3,9 @@
 Every gather in ddpkit goes through :func:`exchange`:
 
 1. One ``all_gather`` of a fixed-size record per rank (the same size on every
-   rank, so it cannot mismatch): a 16-byte prefix (header and payload lengths),
-   the rank's JSON header (metadata: kind, dtype, shape, keys...) and, when it
-   fits, the payload itself. Small payloads cost this one collective.
+   rank, so it cannot mismatch; its bytes: :mod:`ddpkit.collectives.record`):
+   the rank's header (metadata: kind, dtype, shape, keys...) and, when it fits,
+   the payload itself. Small payloads cost this one collective.
 2. Every rank now knows every header and every size. The caller's check runs on
    identical data on every rank, so a mismatch raises on every rank at the same
    point, and the process group stays usable.
@@ -24,7 +24,6 @@ building a record takes 8 us warm, 46 us after a barrier).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import struct
 from collections.abc import Callable, Sequence
@@ -33,8 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.codec import align
+from ddpkit.collectives import record
 from ddpkit.errors import DDPKitError
+from ddpkit.framing import align
 from ddpkit.process_group import is_distributed
 
 __all__ = [
@@ -52,9 +52,6 @@ __all__ = [
 Header = dict[str, Any]
 Check = Callable[[list[Header]], None]
 
-_PREFIX = struct.Struct("<BBBBIQ")  # magic, version, flags, reserved, header length, payload length
-_MAGIC, _VERSION = 0xDD, 1
-_HEADER_INLINE, _PAYLOAD_INLINE = 1, 2
 # Below this many bytes in all, a padded all_gather beats one broadcast per rank on gloo.
 _SMALL_TOTAL = 1 << 20
 _EMPTY = torch.empty(0, dtype=torch.uint8)
@@ -184,33 +181,32 @@ def exchange_headers(
     world_size, capacity = info.world_size, inline_capacity(info.world_size)
     head = encode_header(header)
     gathered = torch.empty(world_size * capacity, dtype=torch.uint8, device=info.device)
-    _all_gather_flat(gathered, _record(head, payload, nbytes, capacity, info.device), info.group)
-    host = gathered if gathered.device.type == "cpu" else gathered.cpu()
-    memory = (ctypes.c_char * host.numel()).from_address(host.data_ptr())  # read in place; `host` stays alive
-    layouts = [_layout(memory, r * capacity, r) for r in range(world_size)]
+    _all_gather_flat(gathered, record.write(head, payload, nbytes, capacity).to(info.device), info.group)
+    views = record.read_all(gathered, capacity, decode_header)
+    headers = [view.header for view in views]
 
-    missing = [0 if layout.header_inline else align(layout.header_bytes) for layout in layouts]
+    missing = [0 if view.header is not None else align(view.header_bytes) for view in views]
     if any(missing):  # some header did not fit in the record: move the headers alone
         padded = head + bytes(align(len(head)) - len(head)) if missing[info.rank] else b""
         mine = torch.frombuffer(bytearray(padded), dtype=torch.uint8).to(info.device) if padded else _EMPTY
-        for layout, blob in zip(layouts, _uneven_gather(mine, missing, info), strict=True):
-            if layout.header is None:
+        for r, blob in enumerate(_uneven_gather(mine, missing, info)):
+            if headers[r] is None:
                 assert blob is not None
-                layout.header = decode_header(_host_bytes(blob)[: layout.header_bytes])
-    headers = [layout.header for layout in layouts if layout.header is not None]
-    raise_errors(what, headers)
+                headers[r] = decode_header(record.host_bytes(blob)[: views[r].header_bytes])
+    complete = [h for h in headers if h is not None]
+    raise_errors(what, complete)
     if check is not None:
-        check(headers)
+        check(complete)
     payloads: list[torch.Tensor | None] = []
-    for r, layout in enumerate(layouts):
-        if not layout.payload_inline:
+    for r, view in enumerate(views):
+        if not view.payload_inline:
             payloads.append(None)
         elif r == info.rank:
             payloads.append(payload)
         else:
-            payloads.append(gathered[r * capacity + layout.inline_offset : r * capacity + layout.inline_offset
-                                     + layout.payload_bytes])  # fmt: skip
-    return headers, payloads, [layout.payload_bytes for layout in layouts]
+            start = r * capacity + view.payload_offset
+            payloads.append(gathered[start : start + view.payload_bytes])
+    return complete, payloads, [view.payload_bytes for view in views]
 
 
 def exchange(
@@ -271,84 +267,27 @@ def broadcast_bytes(
     is_src = dist.get_rank() == src
     head = encode_header(header) if is_src else b""
     if is_src:
-        record = _record(head, data, nbytes, capacity, info.device)
+        sent = record.write(head, data, nbytes, capacity).to(info.device)
     else:
-        record = torch.empty(capacity, dtype=torch.uint8, device=info.device)
-    dist.broadcast(record, src=src, group=info.group)
-    layout = _layout(_host_bytes(record), 0, src)
-    if layout.header is None:
+        sent = torch.empty(capacity, dtype=torch.uint8, device=info.device)
+    dist.broadcast(sent, src=src, group=info.group)
+    (view,) = record.read_all(sent, capacity, decode_header)
+    received = view.header
+    if received is None:
         if is_src:
             blob = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(info.device)
         else:
-            blob = torch.empty(layout.header_bytes, dtype=torch.uint8, device=info.device)
+            blob = torch.empty(view.header_bytes, dtype=torch.uint8, device=info.device)
         dist.broadcast(blob, src=src, group=info.group)
-        layout.header = decode_header(_host_bytes(blob))
-    raise_errors(what, [layout.header])
-    if layout.payload_inline:
-        start = layout.inline_offset
-        return layout.header, data if is_src else record[start : start + layout.payload_bytes]
-    buffer = (
-        data.to(info.device) if is_src else torch.empty(layout.payload_bytes, dtype=torch.uint8, device=info.device)
-    )
-    if layout.payload_bytes:
+        received = decode_header(record.host_bytes(blob))
+    raise_errors(what, [received])
+    if view.payload_inline:
+        start = view.payload_offset
+        return received, data if is_src else sent[start : start + view.payload_bytes]
+    buffer = data.to(info.device) if is_src else torch.empty(view.payload_bytes, dtype=torch.uint8, device=info.device)
+    if view.payload_bytes:
         dist.broadcast(buffer, src=src, group=info.group)
-    return layout.header, data if is_src else buffer
-
-
-# --- the record ------------------------------------------------------------------------------
-
-
-class _Layout:
-    """What one rank's fixed record says about its header and payload."""
-
-    def __init__(self, header_bytes: int, payload_bytes: int, flags: int, header: Header | None) -> None:
-        self.header_bytes = header_bytes
-        self.payload_bytes = payload_bytes
-        self.header_inline = bool(flags & _HEADER_INLINE)
-        self.payload_inline = bool(flags & _PAYLOAD_INLINE)
-        self.header = header
-        self.inline_offset = align(_PREFIX.size + header_bytes)
-
-
-def _host_bytes(tensor: torch.Tensor) -> bytes:
-    """A copy of a 1-D ``uint8`` tensor's bytes (read straight from memory on the CPU)."""
-    host = tensor if tensor.device.type == "cpu" else tensor.cpu()
-    return ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
-
-
-def _record(
-    head: bytes, payload: torch.Tensor | None, nbytes: int, capacity: int, device: torch.device
-) -> torch.Tensor:
-    """This rank's fixed record, written straight into the tensor's memory."""
-    header_inline = _PREFIX.size + len(head) <= capacity
-    payload_inline = header_inline and align(_PREFIX.size + len(head)) + nbytes <= capacity
-    flags = (_HEADER_INLINE if header_inline else 0) | (_PAYLOAD_INLINE if payload_inline else 0)
-    record = torch.zeros(capacity, dtype=torch.uint8)
-    address = record.data_ptr()
-    _PREFIX.pack_into((ctypes.c_char * _PREFIX.size).from_address(address), 0, _MAGIC, _VERSION, flags, 0,
-                      len(head), nbytes)  # fmt: skip
-    if header_inline and head:
-        ctypes.memmove(address + _PREFIX.size, head, len(head))
-    if payload_inline and nbytes:
-        assert payload is not None
-        host = payload if payload.device.type == "cpu" and payload.is_contiguous() else payload.contiguous().cpu()
-        ctypes.memmove(address + align(_PREFIX.size + len(head)), host.data_ptr(), nbytes)
-    return record if device.type == "cpu" else record.to(device)
-
-
-def _layout(memory: Any, offset: int, rank: int) -> _Layout:
-    """Parse the record of ``rank`` that starts at ``offset`` in ``memory``."""
-    magic, version, flags, _, header_bytes, payload_bytes = _PREFIX.unpack_from(memory, offset)
-    if magic != _MAGIC or version != _VERSION:
-        raise DDPKitError(
-            f"rank {rank} sent something other than a ddpkit record (magic {magic:#x}, version {version}): "
-            "the ranks are not running the same collectives in the same order"
-        )
-    layout = _Layout(header_bytes, payload_bytes, flags, None)
-    if layout.header_inline:
-        start = offset + _PREFIX.size
-        layout.header = decode_header(bytes(memory[start : start + header_bytes]))
-    return layout
+    return received, data if is_src else buffer
 
 
 # --- moving uneven data ------------------------------------------------------------------------

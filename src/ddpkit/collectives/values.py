@@ -20,11 +20,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpkit.codec import align, pack, unpack
+from ddpkit.codec import pack, unpack
 from ddpkit.collectives.transport import GroupInfo, Header, error_header, exchange, exchange_headers
 from ddpkit.errors import CollectiveMismatchError
+from ddpkit.framing import align
 
-__all__ = ["Gathered", "Value", "gather_values"]
+__all__ = ["Gathered", "KeyMeta", "Value", "gather_values"]
 
 Kind = Literal["tensor", "array", "objects"]
 # A tensor or array key whose bytes over all ranks reach this is broadcast straight into its final buffer.
@@ -45,6 +46,48 @@ class Value:
     data: torch.Tensor | np.ndarray | list[Any]
     source: str
     extra: str = ""
+
+
+@dataclass(frozen=True)
+class KeyMeta:
+    """What one rank says about one key's value; compared across ranks before any data moves.
+
+    Attributes:
+        source: :attr:`Value.source`.
+        extra: :attr:`Value.extra`.
+        kind: ``"tensor"``, ``"array"`` or ``"objects"`` (a list, through the codec).
+        dtype: the tensor's dtype (``"float32"``) or the array's (``"<f4"``); ``""`` for objects.
+        shape: the tensor's or array's shape; ``(items,)`` for objects.
+        nbytes: the bytes this rank sends for it.
+    """
+
+    source: str
+    extra: str
+    kind: Kind
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def to_wire(self) -> list[Any]:
+        """The meta as JSON-able data (in a gather's header)."""
+        return [self.source, self.extra, self.kind, self.dtype, list(self.shape), self.nbytes]
+
+    @staticmethod
+    def from_wire(data: list[Any]) -> KeyMeta:
+        source, extra, kind, dtype, shape, nbytes = data
+        return KeyMeta(source, extra, kind, dtype, tuple(shape), nbytes)
+
+    def signature(self) -> tuple[Any, ...]:
+        """What must match across ranks: all but the first dimension may differ."""
+        if self.kind == "objects":
+            return ("objects", self.source, self.extra)
+        return (self.kind, self.source, self.extra, self.dtype, len(self.shape), self.shape[1:])
+
+    def text(self) -> str:
+        if self.kind == "objects":
+            return f"{self.source} of {self.shape[0]} objects"
+        extra = f" of {self.extra}" if self.extra else ""
+        return f"{self.source}{extra} ({self.kind}) {self.dtype} {self.shape}"
 
 
 @dataclass
@@ -97,7 +140,7 @@ def gather_values(
         if isinstance(values, BaseException):
             raise values
         metas, raws = _describe_values(values, allow_pickle)
-        header: Header = {"keys": list(values), "values": metas}
+        header: Header = {"keys": list(values), "values": [meta.to_wire() for meta in metas]}
     except (TypeError, ValueError) as exc:
         header, raws, values = error_header(exc), [], {}
 
@@ -106,21 +149,25 @@ def gather_values(
 
     # Small data rides in the metadata exchange; each rank says whether its data did.
     header["inline"] = sum(r.numel() for r in raws) <= 4096
-    inline = _pack_blob(raws, range(len(raws))) if header["inline"] else None
+    every_key = range(len(raws))
+    inline = _pack_blob(raws, every_key) if header["inline"] else None
     headers, inline_payloads, _ = exchange_headers(what, header, inline, info, check)
     keys = list(headers[0]["keys"])
-    metas_by_rank = [h["values"] for h in headers]
+    metas_by_rank = [[KeyMeta.from_wire(m) for m in h["values"]] for h in headers]
 
     direct: dict[int, torch.Tensor] = {}
     pending: list[Any] = []
+    blob_keys: list[int] = list(every_key) if keys else []
     if all(h["inline"] for h in headers) and all(p is not None for p in inline_payloads):
         blobs = list(inline_payloads)
     elif info.nccl:
-        gathered = exchange(what, {}, _pack_blob(raws, range(len(raws))), info)
+        gathered = exchange(what, {}, _pack_blob(raws, every_key), info)
         blobs = [data for _, data in gathered]
     else:
-        blobs, direct, pending = _move_large(metas_by_rank, raws, info)
+        blob_keys = _blob_keys(metas_by_rank)
+        blobs, direct, pending = _move_large(metas_by_rank, raws, blob_keys, info)
         _fill_own_parts(direct, metas_by_rank, raws, rank)
+    offsets = [_offsets(metas, blob_keys) for metas in metas_by_rank]
 
     parts: dict[Any, list[Any]] = {key: [] for key in keys}
     joined: dict[Any, Any] = {}
@@ -136,15 +183,16 @@ def gather_values(
         for r, metas in enumerate(metas_by_rank):
             meta = metas[index]
             if index in direct:
-                data = direct[index][offset : offset + meta["bytes"]]
-                offset += meta["bytes"]
+                data = direct[index][offset : offset + meta.nbytes]
+                offset += meta.nbytes
             elif r == rank and isinstance(values, dict):
                 parts[key].append(values[key].data)  # this rank's own value: no round trip
                 continue
             else:
                 blob = blobs[r]
                 assert blob is not None
-                data = blob[meta["blob_offset"] : meta["blob_offset"] + meta["bytes"]]
+                start = offsets[r][index]
+                data = blob[start : start + meta.nbytes]
             parts[key].append(_decode(meta, data, allow_pickle))
     return Gathered(parts, joined)
 
@@ -152,38 +200,44 @@ def gather_values(
 # --- describing and packing --------------------------------------------------------------------
 
 
-def _describe_values(values: dict[Any, Value], allow_pickle: bool) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
-    """Per key: JSON metadata, and the raw bytes this rank sends."""
+def _describe_values(values: dict[Any, Value], allow_pickle: bool) -> tuple[list[KeyMeta], list[torch.Tensor]]:
+    """Per key: its metadata, and the raw bytes this rank sends."""
     metas, raws = [], []
-    offset = 0
     for key, value in values.items():
         if not isinstance(key, (str, int, float, bool, type(None))):
             raise TypeError(f"keys must be strings or numbers, got {type(key).__name__} {key!r}")
         data = value.data
-        meta: dict[str, Any] = {"source": value.source, "extra": value.extra}
+        kind: Kind
         if isinstance(data, torch.Tensor):
-            meta.update(kind="tensor", dtype=str(data.dtype).removeprefix("torch."), shape=list(data.shape))
+            kind, dtype, shape = "tensor", str(data.dtype).removeprefix("torch."), tuple(data.shape)
             flat = data.detach().contiguous().reshape(-1)
             raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
         elif isinstance(data, np.ndarray):
             if data.dtype.hasobject or np.dtype(data.dtype.str) != data.dtype:
                 raise TypeError(f"numpy arrays of dtype {data.dtype} (key {key!r}) cannot be sent as raw bytes")
-            meta.update(kind="array", dtype=data.dtype.str, shape=list(data.shape))
+            kind, dtype, shape = "array", data.dtype.str, tuple(data.shape)
             flat_array = np.ascontiguousarray(data).reshape(-1)
             raw = torch.from_numpy(flat_array.view(np.uint8)) if flat_array.size else torch.empty(0, dtype=torch.uint8)
         else:
-            meta.update(kind="objects", len=len(data))
+            kind, dtype, shape = "objects", "", (len(data),)
             raw = pack(list(data), allow_pickle=allow_pickle)
-        offset = align(offset)
-        meta["bytes"], meta["blob_offset"] = raw.numel(), offset
-        offset += raw.numel()
-        metas.append(meta)
+        metas.append(KeyMeta(value.source, value.extra, kind, dtype, shape, raw.numel()))
         raws.append(raw)
     return metas, raws
 
 
+def _offsets(metas: list[KeyMeta], keys: list[int]) -> dict[int, int]:
+    """Where each of ``keys`` starts in a rank's blob: one after the other, each at a 16-byte boundary."""
+    offsets, offset = {}, 0
+    for i in keys:
+        offset = align(offset)
+        offsets[i] = offset
+        offset += metas[i].nbytes
+    return offsets
+
+
 def _pack_blob(raws: list[torch.Tensor], indices: Any) -> torch.Tensor | None:
-    """The raws at ``indices`` laid out at their aligned blob offsets (the layout of :func:`_describe_values`)."""
+    """The raws at ``indices`` laid out at the offsets of :func:`_offsets`."""
     chosen = [(i, raws[i]) for i in indices]
     if not chosen:
         return None
@@ -199,31 +253,28 @@ def _pack_blob(raws: list[torch.Tensor], indices: Any) -> torch.Tensor | None:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
+def _blob_keys(metas_by_rank: list[list[KeyMeta]]) -> list[int]:
+    """The keys that travel in the blobs: objects, and tensors and arrays below the direct threshold."""
+    count = len(metas_by_rank[0])
+    return [i for i in range(count) if metas_by_rank[0][i].kind == "objects" or
+            sum(m[i].nbytes for m in metas_by_rank) < _DIRECT]  # fmt: skip
+
+
 def _move_large(
-    metas_by_rank: list[list[dict[str, Any]]], raws: list[torch.Tensor], info: GroupInfo
+    metas_by_rank: list[list[KeyMeta]], raws: list[torch.Tensor], blob_keys: list[int], info: GroupInfo
 ) -> tuple[list[torch.Tensor | None], dict[int, torch.Tensor], list[Any]]:
-    """gloo: large tensor and array keys straight into their joined buffers, the rest in one blob per rank.
+    """gloo: large tensor and array keys straight into their joined buffers, the others in one blob per rank.
 
     Returns the blobs (received), the joined buffers of the direct keys, and the
     pending broadcasts that fill those buffers (wait for them before use).
     """
     device, rank, group = info.device, info.rank, info.group
-    count = len(metas_by_rank[0])
-    direct_keys = [
-        i for i in range(count)
-        if metas_by_rank[0][i]["kind"] != "objects" and sum(m[i]["bytes"] for m in metas_by_rank) >= _DIRECT
-    ]  # fmt: skip
-    blob_keys = [i for i in range(count) if i not in direct_keys]
-    # Re-lay the blob keys compactly; every rank computes the same offsets from the headers.
+    direct_keys = [i for i in range(len(metas_by_rank[0])) if i not in blob_keys]
     blob_sizes = []
-    for metas in metas_by_rank:
-        offset = 0
-        for i in blob_keys:
-            offset = align(offset)
-            metas[i]["blob_offset"] = offset
-            offset += metas[i]["bytes"]
-        blob_sizes.append(offset)
-    direct = {i: torch.empty(sum(m[i]["bytes"] for m in metas_by_rank), dtype=torch.uint8, device=device)
+    for metas in metas_by_rank:  # every rank computes the same sizes from the headers
+        offsets = _offsets(metas, blob_keys)
+        blob_sizes.append(max((offsets[i] + metas[i].nbytes for i in blob_keys), default=0))
+    direct = {i: torch.empty(sum(m[i].nbytes for m in metas_by_rank), dtype=torch.uint8, device=device)
               for i in direct_keys}  # fmt: skip
     blobs: list[torch.Tensor | None] = []
     blob_works = []
@@ -238,8 +289,8 @@ def _move_large(
     direct_works = []
     for r in range(len(metas_by_rank)):
         for i in direct_keys:
-            start = sum(m[i]["bytes"] for m in metas_by_rank[:r])
-            size = metas_by_rank[r][i]["bytes"]
+            start = sum(m[i].nbytes for m in metas_by_rank[:r])
+            size = metas_by_rank[r][i].nbytes
             if size:
                 target = raws[i].to(device) if r == rank else direct[i][start : start + size]
                 direct_works.append(dist.broadcast(target, src=info.global_rank(r), group=group, async_op=True))
@@ -249,11 +300,11 @@ def _move_large(
 
 
 def _fill_own_parts(
-    direct: dict[int, torch.Tensor], metas_by_rank: list[list[dict[str, Any]]], raws: list[torch.Tensor], rank: int
+    direct: dict[int, torch.Tensor], metas_by_rank: list[list[KeyMeta]], raws: list[torch.Tensor], rank: int
 ) -> None:
     """Copy this rank's own part of each direct key into its slice (while the others' parts arrive)."""
     for i, buffer in direct.items():
-        start = sum(m[i]["bytes"] for m in metas_by_rank[:rank])
+        start = sum(m[i].nbytes for m in metas_by_rank[:rank])
         buffer[start : start + raws[i].numel()].copy_(raws[i])
 
 
@@ -268,43 +319,30 @@ def _check(what: str, headers: list[Header]) -> None:
             + "; ".join(f"rank {r}: {h['keys']}" for r, h in enumerate(headers))
         )
     for index, key in enumerate(first["keys"]):
-        metas = [h["values"][index] for h in headers]
-        if len({_signature(m) for m in metas}) > 1:
+        metas = [KeyMeta.from_wire(h["values"][index]) for h in headers]
+        if len({m.signature() for m in metas}) > 1:
             label = "" if key is None and len(first["keys"]) == 1 else f" for key {key!r}"
             raise CollectiveMismatchError(
                 f"{what}: ranks passed incompatible values{label} (kind, dtype and all but the first dimension "
-                "must match): " + "; ".join(f"rank {r}: {_text(m)}" for r, m in enumerate(metas))
+                "must match): " + "; ".join(f"rank {r}: {m.text()}" for r, m in enumerate(metas))
             )
 
 
-def _signature(meta: dict[str, Any]) -> tuple[Any, ...]:
-    if meta["kind"] == "objects":
-        return ("objects", meta["source"], meta["extra"])
-    return (meta["kind"], meta["source"], meta["extra"], meta["dtype"], len(meta["shape"]), tuple(meta["shape"][1:]))
-
-
-def _text(meta: dict[str, Any]) -> str:
-    if meta["kind"] == "objects":
-        return f"{meta['source']} of {meta['len']} objects"
-    extra = f" of {meta['extra']}" if meta["extra"] else ""
-    return f"{meta['source']}{extra} ({meta['kind']}) {meta['dtype']} {tuple(meta['shape'])}"
-
-
-def _decode(meta: dict[str, Any], data: torch.Tensor, allow_pickle: bool) -> Any:
-    if meta["kind"] == "objects":
+def _decode(meta: KeyMeta, data: torch.Tensor, allow_pickle: bool) -> Any:
+    if meta.kind == "objects":
         return unpack(data, allow_pickle=allow_pickle, copy=False)
     return _view(data, [meta])
 
 
-def _view(data: torch.Tensor, metas: list[dict[str, Any]]) -> Any:
+def _view(data: torch.Tensor, metas: list[KeyMeta]) -> Any:
     """``data`` (raw bytes) seen as the tensor or array that ``metas`` describe, joined along dim 0."""
     meta = metas[0]
-    shape = list(meta["shape"])
+    shape = list(meta.shape)
     if shape:
-        shape[0] = sum(m["shape"][0] for m in metas)
-    if meta["kind"] == "tensor":
-        dtype = getattr(torch, meta["dtype"])
+        shape[0] = sum(m.shape[0] for m in metas)
+    if meta.kind == "tensor":
+        dtype = getattr(torch, meta.dtype)
         return data.view(dtype).reshape(shape) if data.numel() else torch.empty(shape, dtype=dtype, device=data.device)
-    np_dtype = np.dtype(meta["dtype"])
+    np_dtype = np.dtype(meta.dtype)
     host = data.cpu().numpy()
     return host.view(np_dtype).reshape(shape) if host.size else np.empty(shape, dtype=np_dtype)

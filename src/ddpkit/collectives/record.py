@@ -1,0 +1,140 @@
+"""The fixed-size record every ddpkit gather starts with: the one place that touches memory through ``ctypes``.
+
+Each rank sends a record of the same size (``capacity`` bytes, so the first
+collective cannot mismatch). It is a frame of :mod:`ddpkit.framing`:
+
+==================================  ==========================================================
+bytes                               what
+==================================  ==========================================================
+0-1                                 magic ``b"DK"``
+2                                   version (1)
+3                                   flags: ``HEAD_INLINE`` (1) the header follows;
+                                    ``BODY_INLINE`` (2) the payload follows it too
+4-7                                 the header's length in bytes (u32, little-endian)
+8-15                                the payload's length in bytes (u64, little-endian)
+16 to 16 + header length            the encoded header, when ``HEAD_INLINE``
+``align(16 + header length)`` on    the payload's raw bytes, when ``BODY_INLINE``
+the rest, up to ``capacity``        zeros
+==================================  ==========================================================
+
+A header that does not fit leaves both flags off (the header and the payload
+then travel in a second step); a payload that does not fit leaves
+``BODY_INLINE`` off. Right after a blocking collective every torch call costs
+several times its usual time here, so :func:`write` builds the record with one
+tensor allocation and ``ctypes.memmove`` (8 us), and :func:`read_all` parses
+every rank's record in place; :func:`write_plain` is the same record built from
+torch operations only, which a test compares byte for byte.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddpkit.errors import DDPKitError
+from ddpkit.framing import BODY_INLINE, HEAD_INLINE, PREFIX, body_offset, pack_prefix, unpack_prefix
+
+__all__ = ["RecordView", "host_bytes", "read_all", "write", "write_plain"]
+
+Header = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RecordView:
+    """What one rank's record says.
+
+    Attributes:
+        header_bytes: the header's length (inline or not).
+        payload_bytes: the payload's length (inline or not).
+        header: the decoded header when it was inline, else ``None``.
+        payload_inline: the payload is in the record, at :attr:`payload_offset`.
+    """
+
+    header_bytes: int
+    payload_bytes: int
+    header: Header | None
+    payload_inline: bool
+
+    @property
+    def payload_offset(self) -> int:
+        """Where the payload starts in the record."""
+        return body_offset(self.header_bytes)
+
+
+def _flags(head: bytes, nbytes: int, capacity: int) -> int:
+    header_inline = PREFIX.size + len(head) <= capacity
+    payload_inline = header_inline and body_offset(len(head)) + nbytes <= capacity
+    return (HEAD_INLINE if header_inline else 0) | (BODY_INLINE if payload_inline else 0)
+
+
+def write(head: bytes, payload: torch.Tensor | None, nbytes: int, capacity: int) -> torch.Tensor:
+    """This rank's record (a CPU ``uint8`` tensor of ``capacity`` bytes), written straight into its memory.
+
+    Args:
+        head: the encoded header.
+        payload: the payload (its first ``nbytes`` raw bytes are sent), or ``None``.
+        nbytes: the payload's length in bytes.
+        capacity: the record's size.
+    """
+    flags = _flags(head, nbytes, capacity)
+    record = torch.zeros(capacity, dtype=torch.uint8)
+    address = record.data_ptr()
+    ctypes.memmove(address, pack_prefix(len(head), nbytes, flags), PREFIX.size)
+    if flags & HEAD_INLINE and head:
+        ctypes.memmove(address + PREFIX.size, head, len(head))
+    if flags & BODY_INLINE and nbytes:
+        assert payload is not None
+        host = payload if payload.device.type == "cpu" and payload.is_contiguous() else payload.contiguous().cpu()
+        ctypes.memmove(address + body_offset(len(head)), host.data_ptr(), nbytes)
+    return record
+
+
+def write_plain(head: bytes, payload: torch.Tensor | None, nbytes: int, capacity: int) -> torch.Tensor:
+    """:func:`write`, with torch operations only (slower; the reference a test compares against)."""
+    flags = _flags(head, nbytes, capacity)
+    record = torch.zeros(capacity, dtype=torch.uint8)
+    record[: PREFIX.size] = torch.frombuffer(bytearray(pack_prefix(len(head), nbytes, flags)), dtype=torch.uint8)
+    if flags & HEAD_INLINE and head:
+        record[PREFIX.size : PREFIX.size + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    if flags & BODY_INLINE and nbytes:
+        assert payload is not None
+        start = body_offset(len(head))
+        record[start : start + nbytes] = payload.detach().contiguous().cpu().reshape(-1).view(torch.uint8)[:nbytes]
+    return record
+
+
+def read_all(records: torch.Tensor, capacity: int, decode: Callable[[bytes], Header]) -> list[RecordView]:
+    """Every rank's record in ``records`` (``world_size * capacity`` bytes, rank order), parsed in place.
+
+    Raises:
+        DDPKitError: a rank sent something other than a record (the ranks are not
+            running the same collectives in the same order).
+    """
+    host = records if records.device.type == "cpu" else records.cpu()
+    memory = (ctypes.c_char * host.numel()).from_address(host.data_ptr())  # `host` stays alive until we return
+    return [_read(memory, rank * capacity, rank, decode) for rank in range(host.numel() // capacity)]
+
+
+def host_bytes(tensor: torch.Tensor) -> bytes:
+    """A copy of a 1-D ``uint8`` tensor's bytes (read straight from memory on the CPU)."""
+    host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+    return ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
+
+
+def _read(memory: Any, offset: int, rank: int, decode: Callable[[bytes], Header]) -> RecordView:
+    try:
+        flags, header_bytes, payload_bytes = unpack_prefix(memory, offset)
+    except ValueError as exc:
+        raise DDPKitError(
+            f"rank {rank} sent something other than a ddpkit record ({exc}): the ranks are not running the same "
+            "collectives in the same order"
+        ) from None
+    header = None
+    if flags & HEAD_INLINE:
+        start = offset + PREFIX.size
+        header = decode(bytes(memory[start : start + header_bytes]))
+    return RecordView(header_bytes, payload_bytes, header, bool(flags & BODY_INLINE))
