@@ -312,3 +312,55 @@ def test_each_epoch_names_the_slowest_rank_before_it_becomes_a_hang() -> None:
     assert times[1] > times[0] + 8, "rank 1 spends 10 ms more per batch loading (ms)"
     assert f"load+forward {min(times):.1f}-{max(times):.1f} ms/batch (slowest rank 1)" in line
     assert nothing == "", "rank 0 alone prints"
+
+
+# --- failures inside the loop -------------------------------------------------------------------------------
+
+
+def _failed_checkpoint_write(directory: str) -> tuple[str, float]:
+    import time
+
+    import torch.distributed as dist
+
+    from ddpkit import checkpoint
+
+    train, _ = digits_datasets(seed=0)
+    model = _model()
+    loop = TrainLoop(model, DataLoader(train, batch_size=64), progress=False, checkpoint_dir=directory)
+    original = checkpoint.TrainState.save
+
+    def full_disk(self: Any, path: Any) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    checkpoint.TrainState.save = full_disk  # type: ignore[method-assign]
+    started = time.monotonic()
+    try:
+        loop.fit(1)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - started
+    finally:
+        checkpoint.TrainState.save = original  # type: ignore[method-assign]
+        dist.barrier()
+    return "no error", time.monotonic() - started
+
+
+def test_a_failed_checkpoint_write_stops_every_rank_at_once(tmp_path: Path) -> None:
+    """Before, the other ranks waited in a barrier after it until the process-group timeout."""
+    (rank0, took0), (rank1, took1) = run_parallel(_failed_checkpoint_write, str(tmp_path), timeout=60)
+    assert rank0.startswith("OSError: [Errno 28] No space left on device")
+    assert rank1.startswith(f"DDPKitError: rank 0 could not write the checkpoint {tmp_path / 'last.pt'}, so rank 1")
+    assert "No space left on device" in rank1
+    assert max(took0, took1) < 10, "far below the process group's timeout"
+
+
+def test_evaluate_puts_the_model_back_in_train_mode_when_it_raises() -> None:
+    class Broken(TrainLoop):
+        def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            raise RuntimeError("bad batch")
+
+    _, val = digits_datasets(seed=0)
+    model = _model()
+    loop = Broken(model, DataLoader(val, batch_size=64), progress=False)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        loop.evaluate(DataLoader(val, batch_size=64))
+    assert model.training

@@ -7,6 +7,7 @@ logging handlers, no process group.
 
 from __future__ import annotations
 
+from ddpkit.batches import move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler, DistributedSamplerSetEpoch
 from ddpkit.checkpoint import load_checkpoint, save_checkpoint
 from ddpkit.collectives import (
@@ -24,7 +25,7 @@ from ddpkit.collectives import (
 )
 from ddpkit.comm_hooks import register_ddp_comm_hook
 from ddpkit.ddp_handler import DDPHandler
-from ddpkit.ddp_plugin import DDPPlugin, move_data_to_device, unwrap_model
+from ddpkit.ddp_plugin import DDPPlugin, unwrap_model
 from ddpkit.environments import (
     ClusterEnvironment,
     ClusterSettings,

@@ -1,11 +1,12 @@
-"""Atomic checkpoints and RNG state (layer 6).
+"""Atomic checkpoints, RNG state, and ``TrainState``: what a ``TrainLoop`` checkpoint holds.
 
 A checkpoint is written to a temporary file in the same directory, flushed,
 ``fsync``-ed, then renamed over the previous one (``os.replace`` is atomic), and
 the directory is ``fsync``-ed: a write interrupted at any point leaves the
 previous checkpoint whole. Checkpoints load with ``torch.load(...,
 weights_only=True)``: RNG states are stored as tensors, ints and strings, so
-nothing needs unpickling.
+nothing needs unpickling. To add a field to ``TrainLoop``'s checkpoints, add it
+to :class:`TrainState` (and bump its version if old checkpoints lack it).
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ import glob
 import os
 import random
 import tempfile
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_FILE", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
+from ddpkit._watchdog import paused
+from ddpkit.collectives import all_gather_object, sync_ddp
+from ddpkit.errors import DDPKitError
+from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
+
+__all__ = ["CHECKPOINT_FILE", "TrainState", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
 
 #: The file name of the latest checkpoint in a checkpoint directory.
 CHECKPOINT_FILE = "last.pt"
@@ -61,11 +70,133 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> None
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no arbitrary unpickling).
 
+    Args:
+        path: the checkpoint file.
+        map_location: where its tensors go (as ``torch.load``'s): a device, or
+            ``"cpu"`` (default) whatever device they were saved from.
+
     Raises:
         FileNotFoundError: there is no checkpoint at ``path``.
     """
     state: dict[str, Any] = torch.load(path, map_location=map_location, weights_only=True)
     return state
+
+
+@dataclass
+class TrainState:
+    """Where a ``TrainLoop`` run stands: everything it needs to go on at the exact batch (one checkpoint).
+
+    Attributes:
+        model: the model's ``state_dict()``.
+        optimizer: the optimizer's ``state_dict()``.
+        epoch: the epoch in progress (0-based); at an epoch's end, the next one.
+        batch: batches of ``epoch`` each rank has done (0 at an epoch's start).
+        epoch_sums: ``(2,)`` float64: the epoch's loss sum and sample count so far, over all ranks.
+        global_step: optimizer steps taken in all.
+        seed: the base seed of the data order.
+        world_size: the number of ranks that wrote it.
+        rng: every rank's random state (:func:`rng_state`), by rank.
+        history: the per-epoch numbers so far (``train_loss``, ``validation_*``).
+    """
+
+    #: The layout of the fields; a checkpoint of another version is refused.
+    VERSION: ClassVar[int] = 1
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    epoch: int
+    batch: int
+    epoch_sums: torch.Tensor
+    global_step: int
+    seed: int
+    world_size: int
+    rng: list[dict[str, Any]]
+    history: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def capture(cls, loop: Any, batch: int) -> TrainState:
+        """The state of ``loop`` (a ``TrainLoop``) after ``batch`` batches of its current epoch.
+
+        Every rank must call it: it gathers every rank's RNG state and sums the
+        epoch's partial loss (two small collectives).
+        """
+        rngs = all_gather_object(rng_state())
+        epoch_sums = sync_ddp(loop._epoch_sums.clone()) if batch else torch.zeros(2, dtype=torch.float64)
+        return cls(
+            model=loop.model.state_dict(),
+            optimizer=loop.plugin.optimizer_state(loop.optimizer),
+            epoch=loop.epoch,
+            batch=batch,
+            epoch_sums=epoch_sums,
+            global_step=loop.global_step,
+            seed=loop.seed,
+            world_size=get_world_size(),
+            rng=rngs,
+            history={name: list(values) for name, values in loop.history.items()},
+        )
+
+    def restore(self, loop: Any) -> None:
+        """Put ``loop`` (a ``TrainLoop``) where this state was: weights, optimizer, position, history, and this
+        rank's random state (every rank calls it).
+
+        On another number of ranks than wrote it, the run goes on with a
+        ``RuntimeWarning``: the data order and random numbers then differ from
+        an uninterrupted run.
+        """
+        loop.model.load_state_dict(self.model)
+        loop.optimizer.load_state_dict(self.optimizer)
+        loop.epoch, loop._resume_batch, loop.global_step = self.epoch, self.batch, self.global_step
+        loop.history = defaultdict(list, self.history)
+        first = get_rank() == 0 and self.batch > 0  # rank 0 carries the partial sums of all ranks
+        loop._epoch_sums = self.epoch_sums.cpu() if first else torch.zeros(2, dtype=torch.float64)
+        if self.world_size != get_world_size():
+            warnings.warn(
+                f"resuming a checkpoint of {self.world_size} ranks on {get_world_size()}: the run continues, but the "
+                "data order and random numbers differ from an uninterrupted run",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        set_rng_state(self.rng[get_rank() % len(self.rng)])
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write it atomically (:func:`save_checkpoint`); from one process."""
+        save_checkpoint({"version": self.VERSION, **asdict(self)}, path)
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """:meth:`save` on rank 0, with every rank told whether it could (every rank calls it).
+
+        The other ranks' wait does not count as a hang. A failed write raises on
+        every rank at once (rank 0: its own error, e.g. ``OSError``; the others:
+        :class:`~ddpkit.DDPKitError` naming it) instead of leaving them waiting.
+        """
+        try:
+            with paused(), rank_zero_first():  # rank 0 writes first; the others learn whether it could
+                if get_rank() == 0:
+                    self.save(path)
+        except DDPKitError as exc:
+            raise DDPKitError(
+                f"rank 0 could not write the checkpoint {path}, so rank {get_rank()} stops too: {exc}"
+            ) from exc
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> TrainState:
+        """Read what :meth:`save` wrote.
+
+        Raises:
+            FileNotFoundError: there is no checkpoint at ``path``.
+            ValueError: it is of another version, or not a ``TrainLoop`` checkpoint.
+        """
+        state = load_checkpoint(path, map_location)
+        version = state.pop("version", None)
+        if version != cls.VERSION:
+            raise ValueError(
+                f"{path} is a checkpoint of version {version!r}; this ddpkit reads TrainLoop checkpoints of version "
+                f"{cls.VERSION}. Start from another checkpoint_dir, or resume with the ddpkit that wrote it"
+            )
+        try:
+            return cls(**state)
+        except TypeError as exc:
+            raise ValueError(f"{path} is not a TrainLoop checkpoint: {exc}") from None
 
 
 def rng_state() -> dict[str, Any]:

@@ -6,11 +6,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DistributedSampler, RandomSampler
 
 from ddpkit.callbacks import DistributedSamplerSetEpoch
 from ddpkit.collectives import mp_sync, mp_sync_dict
-from ddpkit.loaders import build_loader_sampler
+from ddpkit.loaders import build_loader_sampler, distributed_sampler_of
 
 __all__ = ["LOADER_ATTRIBUTES", "DDPHandler"]
 
@@ -57,7 +57,7 @@ class DDPHandler:
             loader = getattr(loop, name, None)
             if loader is None:
                 continue
-            existing = _distributed_sampler(loader)
+            existing = distributed_sampler_of(loader)
             if existing is not None:
                 self.samplers[name] = existing
                 continue
@@ -95,10 +95,3 @@ class DDPHandler:
     def mp_sync_dict(self, dict_data: dict[Any, Any]) -> dict[Any, Any]:
         """Multiprocess sync of a dict (seed 000): :func:`ddpkit.mp_sync_dict`, one exchange for all keys."""
         return mp_sync_dict(dict_data)
-
-
-def _distributed_sampler(loader: DataLoader[Any]) -> DistributedSampler[Any] | None:
-    for candidate in (loader.batch_sampler, loader.sampler):
-        if isinstance(candidate, DistributedSampler):
-            return candidate
-    return None

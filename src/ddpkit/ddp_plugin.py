@@ -9,9 +9,8 @@ behaviour is built on PyTorch, as each method's docstring says.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
+from ddpkit.batches import iter_tensors, move_data_to_device
 from ddpkit.process_group import (
     SupportsClusterEnvironment,
     SupportsMainAddress,
@@ -30,7 +30,7 @@ from ddpkit.process_group import (
     main_address_and_port,
 )
 
-__all__ = ["DDPPlugin", "move_data_to_device", "unwrap_model"]
+__all__ = ["DDPPlugin", "unwrap_model"]
 
 
 class DDPPlugin:
@@ -171,7 +171,7 @@ class DDPPlugin:
             return
         if torch.is_grad_enabled() and model.require_backward_grad_sync:
             model.require_forward_param_sync = True
-            tensors = list(_find_tensors(output)) if model.find_unused_parameters and not model.static_graph else []
+            tensors = list(iter_tensors(output)) if model.find_unused_parameters and not model.static_graph else []
             model.reducer._rebuild_buckets()
             model.reducer.prepare_for_backward(tensors)
         else:
@@ -194,49 +194,6 @@ class DDPPlugin:
         return dist.group.WORLD if is_distributed() else None
 
 
-def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
-    """``batch`` with every tensor moved to ``device``, through nested containers.
-
-    Handles dicts (and other mappings, keeping their type), lists, tuples,
-    namedtuples, sets and dataclass instances; anything else is returned as it
-    is. Containers are rebuilt, never changed in place. A copy from CPU to a CUDA
-    device does not block (``non_blocking=True``).
-
-    Args:
-        batch: the data.
-        device: target, e.g. ``"cuda:0"``, ``torch.device("cpu")`` or a CUDA index.
-    """
-    target = torch.device(device)
-    non_blocking = target.type == "cuda"
-
-    def move(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value if value.device == target else value.to(target, non_blocking=non_blocking)
-        if isinstance(value, Mapping):
-            items = {key: move(item) for key, item in value.items()}
-            kind: Any = type(value)
-            try:
-                if hasattr(value, "default_factory"):
-                    return kind(value.default_factory, items)
-                return kind(items)
-            except TypeError:
-                return items
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*(move(item) for item in value))
-        if isinstance(value, (list, tuple, set, frozenset)):
-            return type(value)(move(item) for item in value)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            copy = dataclasses.replace(value, **{f.name: move(getattr(value, f.name)) for f in dataclasses.fields(value)
-                                                  if f.init})  # fmt: skip
-            for field in dataclasses.fields(value):
-                if not field.init:
-                    object.__setattr__(copy, field.name, move(getattr(value, field.name)))
-            return copy
-        return value
-
-    return move(batch)
-
-
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module inside ``DistributedDataParallel``, ``DataParallel`` and ``torch.compile`` wrappers, nested or not."""
     while True:
@@ -254,18 +211,3 @@ def _device_of(model: nn.Module) -> torch.device | None:
         return parameter.device
     buffer = next(model.buffers(), None)
     return buffer.device if buffer is not None else None
-
-
-def _find_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside ``value`` (nested containers and dataclasses), as DDP needs for unused parameters."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _find_tensors(item)
-    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        for item in value:
-            yield from _find_tensors(item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from _find_tensors(getattr(value, field.name))

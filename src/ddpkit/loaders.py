@@ -29,7 +29,13 @@ from ddpkit.errors import WarningDDP
 from ddpkit.process_group import is_distributed
 from ddpkit.samplers import DDPSamplerWrapper, DistributedSamplerWrapper
 
-__all__ = ["build_loader_sampler", "check_loaders_is_patched", "extract_loader_parameters", "patch_dataloader_to_ddp"]
+__all__ = [
+    "build_loader_sampler",
+    "check_loaders_is_patched",
+    "distributed_sampler_of",
+    "extract_loader_parameters",
+    "patch_dataloader_to_ddp",
+]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +107,15 @@ def patch_dataloader_to_ddp(loader: DataLoader[Any]) -> DataLoader[Any]:
     return patched
 
 
+def distributed_sampler_of(loader: DataLoader[Any]) -> DistributedSampler[Any] | None:
+    """The ``DistributedSampler`` (ddpkit's wrappers included) that shards ``loader``, as its batch sampler or
+    its sampler; ``None`` when it is not sharded."""
+    for candidate in (loader.batch_sampler, loader.sampler):
+        if isinstance(candidate, DistributedSampler):
+            return candidate
+    return None
+
+
 def check_loaders_is_patched(loaders: DataLoader[Any] | Sequence[DataLoader[Any]]) -> bool:
     """Whether every loader's sampler or batch sampler is sharded for DDP (seed 004, OML).
 
@@ -108,9 +123,7 @@ def check_loaders_is_patched(loaders: DataLoader[Any] | Sequence[DataLoader[Any]
     :class:`~ddpkit.DDPSamplerWrapper`) and ``torch.utils.data.DistributedSampler``.
     """
     items = [loaders] if isinstance(loaders, DataLoader) else list(loaders)
-    return all(
-        any(isinstance(s, DistributedSampler) for s in (loader.batch_sampler, loader.sampler)) for loader in items
-    )
+    return all(distributed_sampler_of(loader) is not None for loader in items)
 
 
 def build_loader_sampler(

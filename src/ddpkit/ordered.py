@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpkit.collectives.values import Value, gather_values
+from ddpkit.loaders import distributed_sampler_of
 from ddpkit.process_group import get_rank, get_world_size, is_distributed
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout
 
@@ -86,8 +87,7 @@ def gather_in_order(
 def _layout_of(sampler: Any) -> tuple[EpochLayout, int]:
     """The last epoch's layout of ``sampler`` and the rank it serves."""
     if isinstance(sampler, DataLoader):
-        candidates = [sampler.batch_sampler, sampler.sampler]
-        found = next((c for c in candidates if isinstance(c, DistributedSampler)), None)
+        found = distributed_sampler_of(sampler)
         if found is None:
             kind = type(sampler.sampler).__name__
             raise TypeError(

@@ -37,6 +37,7 @@ __all__ = [
     "is_ddp",
     "is_distributed",
     "main_address_and_port",
+    "rank_device",
     "rank_zero_first",
     "rank_zero_only",
     "seed_everything",
@@ -245,6 +246,13 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
         dist.barrier(group, device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier(group)
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: ``cuda:<local rank>`` (modulo the device count) with CUDA, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

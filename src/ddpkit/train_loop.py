@@ -1,4 +1,4 @@
-"""``TrainLoop``: single-process training that becomes DDP by changing one call (layer 6; seed 000).
+"""``TrainLoop``: single-process training that becomes DDP by changing one call (after aitoolbox's ``TrainLoop``).
 
 ``fit`` trains in this process (as DDP when a process group exists);
 ``fit_distributed`` launches ``num_processes`` workers that each run ``fit``.
@@ -12,10 +12,8 @@ W x B. Validation metrics are computed on every sample exactly once
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import time
-import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -26,28 +24,25 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from ddpkit._watchdog import StackDumpOnSignal, paused
+from ddpkit._step_checks import dump_worker_stacks_in_hang_reports, skipped_model_error, straggler_text
+from ddpkit.batches import batch_length, move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler
-from ddpkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from ddpkit.collectives import all_gather_object, mp_sync, sync_ddp
+from ddpkit.checkpoint import CHECKPOINT_FILE, TrainState, rng_state, set_rng_state
+from ddpkit.collectives import mp_sync, sync_ddp
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
-from ddpkit.ddp_plugin import DDPPlugin, move_data_to_device
-from ddpkit.errors import DDPKitError
+from ddpkit.ddp_plugin import DDPPlugin
+from ddpkit.evaluation import predict_in_order
 from ddpkit.launch import launch, scheduler_environment
-from ddpkit.loaders import build_loader_sampler
-from ddpkit.ordered import gather_in_order
-from ddpkit.process_group import barrier, get_local_rank, get_rank, get_world_size, is_distributed
+from ddpkit.process_group import get_rank, get_world_size, is_distributed, rank_device
 from ddpkit.samplers import DistributedSamplerWrapper
 
 __all__ = ["TrainLoop"]
 
 log = logging.getLogger(__name__)
 
-_CHECKPOINT_VERSION = 1
-
 
 class TrainLoop:
-    """Train, validate and test a model, in one process or as DDP (seed 000's ``TrainLoop``).
+    """Train, validate and test a model, in one process or as DDP (the ``TrainLoop`` of aitoolbox's ``DDPHandler``).
 
     Args:
         model: the ``nn.Module``.
@@ -68,8 +63,8 @@ class TrainLoop:
             (the position shuffle as ``DistributedSampler(seed=seed)``).
         progress: show a progress bar on rank 0.
 
-    Attributes the seed relies on: ``train_loader``, ``validation_loader``,
-    ``test_loader``, ``device``, ``callbacks_handler`` (``register_callbacks``),
+    Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``,
+    ``validation_loader``, ``test_loader``, ``device``, ``callbacks_handler``,
     ``ddp_handler`` (a :class:`~ddpkit.DDPHandler` once :meth:`fit` has set up).
 
     Override :meth:`training_step`, :meth:`predict_step`, :meth:`compute_metrics`
@@ -100,7 +95,7 @@ class TrainLoop:
         self.test_loader = test_loader
         self.optimizer = optimizer if optimizer is not None else torch.optim.Adam(model.parameters())
         self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else rank_device()
         self.plugin = plugin if plugin is not None else DDPPlugin()
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
@@ -268,24 +263,9 @@ class TrainLoop:
             loader = self.validation_loader
         if loader is None:
             raise ValueError("evaluate() needs a loader: pass one or give the TrainLoop a validation_loader")
-        loader, sampler = self._sharded(loader)
         self.model.to(self.device)
-        was_training = self.model.training
-        self.model.eval()
-        predictions: list[torch.Tensor] = []
-        targets: list[torch.Tensor] = []
-        with torch.no_grad():
-            for batch in loader:
-                output, target = self.predict_step(self.model, self.batch_to_device(batch))
-                predictions.append(output.detach())
-                targets.append(target.detach())
-            if not predictions:  # an empty shard still needs the right shapes
-                output, target = self.predict_step(self.model, self.batch_to_device(_first_batch(loader)))
-                predictions, targets = [output[:0]], [target[:0]]
-        self.model.train(was_training)
-        all_predictions = gather_in_order(torch.cat(predictions), sampler)
-        all_targets = gather_in_order(torch.cat(targets), sampler)
-        return self.compute_metrics(all_predictions, all_targets)
+        predictions, targets = predict_in_order(self.model, loader, self.predict_step, self.batch_to_device)
+        return self.compute_metrics(predictions, targets)
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -295,7 +275,7 @@ class TrainLoop:
         if self.ddp_handler is None:
             self.ddp_handler = DDPHandler(self)
             self.ddp_handler.add_distributed_samplers(get_world_size(), get_rank())
-            self._dump_worker_stacks_in_hang_reports()
+            dump_worker_stacks_in_hang_reports(self, self._original_loaders)
         if self.ddp_model is None:
             if is_distributed():
                 device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
@@ -305,16 +285,6 @@ class TrainLoop:
                 self.ddp_model = self.model
             self.plugin.on_after_setup_optimizers(self)
         return self.ddp_model
-
-    def _dump_worker_stacks_in_hang_reports(self) -> None:
-        """The DataLoader workers of the loaders ddpkit rebuilt show their stacks in a hang report (also when
-        they are spawned, which they are in a worker of ``launch``)."""
-        if not is_distributed():
-            return
-        for name, original in self._original_loaders.items():
-            loader = getattr(self, name)
-            if loader is not None and loader is not original and loader.num_workers > 0:
-                loader.worker_init_fn = StackDumpOnSignal(loader.worker_init_fn)
 
     def _count_forward(self, module: nn.Module, args: Any) -> None:
         self._forward_calls += 1
@@ -327,13 +297,6 @@ class TrainLoop:
             self.callbacks_handler.callbacks.remove(self.ddp_handler.callback)
         self.ddp_handler = None
         self.ddp_model = None
-
-    def _sharded(self, loader: DataLoader[Any]) -> tuple[DataLoader[Any], DistributedSampler[Any]]:
-        for candidate in (loader.batch_sampler, loader.sampler):
-            if isinstance(candidate, DistributedSampler):
-                return loader, candidate
-        rebuilt, sampler = build_loader_sampler(loader, False, get_world_size(), get_rank(), even_shards=False)
-        return rebuilt, sampler
 
     def _train_epoch(self, model: nn.Module, accumulation: int, num_epochs: int) -> float:
         model.train()
@@ -352,18 +315,19 @@ class TrainLoop:
         busy, previous = 0.0, time.perf_counter()
         for index, batch in enumerate(bar, start=start):
             batch = self.batch_to_device(batch)
-            steps = (index + 1) % accumulation == 0 or index + 1 == total_batches
-            blocking = contextlib.nullcontext() if steps else self.plugin.block_backward_sync(model)
-            with blocking:  # forward and backward inside: DDP decides at the forward whether to sync
+            ends_step = (index + 1) % accumulation == 0 or index + 1 == total_batches
+            # DDP decides at the forward whether this backward all-reduces: both go inside.
+            gradient_sync = contextlib.nullcontext() if ends_step else self.plugin.block_backward_sync(model)
+            with gradient_sync:
                 calls = self._forward_calls
                 loss = self.training_step(model, batch)
                 busy += time.perf_counter() - previous  # loading and forward: before this step's all-reduce
-                if synced and steps and self._forward_calls == calls:
-                    raise self._skipped_model_error(index)
+                if synced and ends_step and self._forward_calls == calls:
+                    raise skipped_model_error(self, index)
                 (loss / accumulation).backward()  # type: ignore[no-untyped-call]
-            count = _batch_size(batch)
+            count = batch_length(batch)
             self._epoch_sums += torch.tensor([float(loss.detach()) * count, count], dtype=torch.float64)
-            if steps:
+            if ends_step:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
@@ -379,19 +343,6 @@ class TrainLoop:
         if synced:
             self.step_times = [1000 * t for t in mp_sync(busy / max(1, total_batches - start), True).tolist()]
         return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
-
-    def _skipped_model_error(self, index: int) -> DDPKitError:
-        """This rank's training step did not run the DDP model: it would skip the all-reduce the others wait in."""
-        where = ""
-        with contextlib.suppress(TypeError, OSError):
-            method = type(self).training_step
-            where = f" ({inspect.getsourcefile(method)}:{inspect.getsourcelines(method)[1]})"
-        return DDPKitError(
-            f"rank {get_rank()}: training_step{where} did not call the model in step {self.global_step + 1} (epoch "
-            f"{self.epoch + 1}, batch {index}), so this rank would skip DDP's gradient all-reduce that the other "
-            "ranks wait in: the ranks would go out of step (a hang, or gradients of different steps averaged). "
-            "Call the model on every rank in every step; to drop a bad batch, multiply its loss by 0 instead"
-        )
 
     def _train_sampler(self) -> DistributedSamplerWrapper:
         sampler = self.ddp_handler.samplers.get("train_loader") if self.ddp_handler is not None else None
@@ -415,57 +366,20 @@ class TrainLoop:
         parts = [f"epoch {self.epoch + 1:>2}/{num_epochs}", f"train loss {loss:.4f}"]
         parts += [f"validation {name} {value:.4f}" for name, value in metrics.items()]
         if len(self.step_times) > 1:
-            slowest = max(range(len(self.step_times)), key=self.step_times.__getitem__)
-            parts.append(
-                f"load+forward {min(self.step_times):.1f}-{max(self.step_times):.1f} ms/batch (slowest rank {slowest})"
-            )
+            parts.append(straggler_text(self.step_times))
         tqdm.write("  ".join(parts))
         log.info("  ".join(parts))
 
     def _save_checkpoint(self, batch: int) -> None:
-        """Every rank sends its RNG state; rank 0 writes the checkpoint atomically."""
+        """Write :class:`~ddpkit.checkpoint.TrainState` after ``batch`` batches of this epoch (every rank calls it)."""
         assert self.checkpoint_dir is not None
-        rngs = all_gather_object(rng_state())
-        epoch_sums = sync_ddp(self._epoch_sums.clone()) if batch else torch.zeros(2, dtype=torch.float64)
-        optimizer_state = self.plugin.optimizer_state(self.optimizer)
-        if get_rank() == 0:
-            state = {
-                "version": _CHECKPOINT_VERSION,
-                "model": self.model.state_dict(),
-                "optimizer": optimizer_state,
-                "epoch": self.epoch,
-                "batch": batch,
-                "epoch_sums": epoch_sums,
-                "global_step": self.global_step,
-                "seed": self.seed,
-                "world_size": get_world_size(),
-                "rng": rngs,
-                "history": {name: list(values) for name, values in self.history.items()},
-            }
-            save_checkpoint(state, self.checkpoint_dir / CHECKPOINT_FILE)
-        with paused():  # rank 0 may write for long: the others' wait is not a hang
-            barrier()
+        TrainState.capture(self, batch).write(self.checkpoint_dir / CHECKPOINT_FILE)
 
     def _resume(self) -> None:
         """Load the checkpoint in ``checkpoint_dir``, if there is one, on every rank."""
         if self.checkpoint_dir is None or not (self.checkpoint_dir / CHECKPOINT_FILE).exists():
             return
-        state = load_checkpoint(self.checkpoint_dir / CHECKPOINT_FILE, map_location=self.device)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.epoch, self._resume_batch, self.global_step = state["epoch"], state["batch"], state["global_step"]
-        self.history = defaultdict(list, state["history"])
-        first = get_rank() == 0 and self._resume_batch > 0
-        self._epoch_sums = state["epoch_sums"].cpu() if first else torch.zeros(2, dtype=torch.float64)
-        saved_world, rank = state["world_size"], get_rank()
-        if saved_world != get_world_size():
-            warnings.warn(
-                f"resuming a checkpoint of {saved_world} ranks on {get_world_size()}: the run continues, but the "
-                "data order and random numbers differ from an uninterrupted run",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        set_rng_state(state["rng"][rank % len(state["rng"])])
+        TrainState.load(self.checkpoint_dir / CHECKPOINT_FILE, map_location=self.device).restore(self)
         log.info("resumed from %s: epoch %d, batch %d", self.checkpoint_dir, self.epoch, self._resume_batch)
 
 
@@ -483,26 +397,3 @@ def _fit_worker(
     send = every_rank or get_rank() == 0  # spawned workers: only rank 0's copy travels back
     weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if send else None
     return history, weights
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def _batch_size(batch: Any) -> int:
-    """Samples in a batch: the length of its first tensor (1 when it holds none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        return next((_batch_size(v) for v in batch.values()), 1)
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    return 1
-
-
-def _first_batch(loader: DataLoader[Any]) -> Any:
-    """One sample of the loader's dataset, collated as a batch (for the shapes of an empty shard)."""
-    collate = loader.collate_fn
-    return collate([loader.dataset[0]])
