@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import RendezvousFailedError, WorkerFailedError, launch
-from ddpkit.launch import _limit_threads
+from ddpkit._worker import limit_threads
 from tests.conftest import alive
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
@@ -157,12 +157,12 @@ def test_threads_are_shared_among_the_processes_of_a_node(monkeypatch: pytest.Mo
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     before = torch.get_num_threads()
     try:
-        assert _limit_threads(4) == 2
-        assert _limit_threads(3) == 2
-        assert _limit_threads(16) == 1, "never fewer than one thread"
+        assert limit_threads(4) == 2
+        assert limit_threads(3) == 2
+        assert limit_threads(16) == 1, "never fewer than one thread"
         torch.set_num_threads(3)
-        assert _limit_threads(None) == 3, "an unknown local world size leaves torch's setting alone"
+        assert limit_threads(None) == 3, "an unknown local world size leaves torch's setting alone"
         monkeypatch.setenv("OMP_NUM_THREADS", "5")
-        assert _limit_threads(1) == 3, "OMP_NUM_THREADS wins: torch already read it"
+        assert limit_threads(1) == 3, "OMP_NUM_THREADS wins: torch already read it"
     finally:
         torch.set_num_threads(before)

@@ -338,9 +338,8 @@ def _from_users_code(frames: list[list[Any]]) -> list[list[Any]]:
 
 def _in_final_barrier(frames: list[list[Any]]) -> bool:
     """Whether a collective was called by the barrier that ddpkit's workers run after the user's function."""
-    launcher = os.path.join("ddpkit", "launch.py")
-    entries = ("_worker_entry", "_run_in_this_task")
-    return user_frame(frames) is None and any(str(f[0]).endswith(launcher) and f[2] in entries for f in frames)
+    worker = os.path.join("ddpkit", "_worker.py")
+    return user_frame(frames) is None and any(str(f[0]).endswith(worker) and f[2] == "run_as_rank" for f in frames)
 
 
 def _frame_text(frame: list[Any]) -> str:

@@ -1,0 +1,172 @@
+"""The launching side of a job, shared by ``launch`` and ``ddpkit run``: the elastic agent's set-up and its errors.
+
+* :func:`agent_scope`: each restart attempt gets its own process-group store
+  (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: on torch 2.13 a restarted
+  attempt's ``init_process_group`` found the previous attempt's keys in the
+  agent's shared store and failed to connect), the workers get a directory for
+  failure records, and afterwards the caller's environment and signal handlers
+  are restored.
+* :func:`rendezvous` and :func:`rendezvous_store`: loopback and a free port by
+  default, the store bound to the loopback address (torch's would listen on
+  every interface), and a host that does not resolve refused at once.
+* :func:`translated_failures`: torch's ``ChildFailedError`` and
+  ``RendezvousError`` become :class:`~ddpkit.WorkerFailedError` (or
+  :class:`~ddpkit.HangError`) naming the first failing rank, and
+  :class:`~ddpkit.RendezvousFailedError`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import traceback
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error
+from ddpkit._stores import release_loopback_store, serve_on_loopback
+from ddpkit._watchdog import TIMEOUT_VARIABLE
+from ddpkit.environments import is_loopback
+from ddpkit.environments.base import check_resolves
+from ddpkit.errors import ClusterEnvironmentError, RendezvousFailedError
+
+__all__ = [
+    "SHUTDOWN_GRACE_S",
+    "agent_scope",
+    "check_counts",
+    "default_nprocs",
+    "rendezvous",
+    "rendezvous_store",
+    "translated_failures",
+]
+
+#: Seconds the agent waits after SIGTERM before it SIGKILLs the remaining workers.
+SHUTDOWN_GRACE_S = 5
+# Environment variables the elastic agent reads or writes in the launching process.
+_AGENT_ENV = (
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "OMP_NUM_THREADS",
+    FAILURE_DIR_VARIABLE,
+    TIMEOUT_VARIABLE,
+)
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def default_nprocs() -> int:
+    """Workers per node when none is asked for: the CUDA devices, or 1."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def check_counts(nprocs: int, nnodes: int, max_restarts: int) -> None:
+    """Raise ``ValueError`` naming the first count out of range."""
+    for name, value, low in (("nprocs", nprocs, 1), ("nnodes", nnodes, 1), ("max_restarts", max_restarts, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+
+
+def rendezvous(nnodes: int, rdzv_endpoint: str | None, run_id: str | None) -> tuple[str, str, str | None]:
+    """``(endpoint, run id, local address)`` for the c10d rendezvous.
+
+    Raises:
+        ValueError: several nodes without an endpoint.
+        RendezvousFailedError: the endpoint's host does not resolve (naming it).
+    """
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ValueError(
+            f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT', the same on every node "
+            "(HOST is the machine that hosts the rendezvous, reachable from all nodes)"
+        )
+    # Port 0: the single agent binds a free port itself, with no window for a race.
+    endpoint = rdzv_endpoint or "127.0.0.1:0"
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    local_addr = "127.0.0.1" if is_loopback(host) else None
+    try:
+        check_resolves(host, f"the host of rdzv_endpoint={endpoint!r}")
+    except ClusterEnvironmentError as exc:
+        raise RendezvousFailedError(str(exc)) from None
+    return endpoint, run_id or ("ddpkit" if nnodes > 1 else uuid.uuid4().hex), local_addr
+
+
+@contextmanager
+def agent_scope() -> Iterator[str]:
+    """Set up one launch: each restart attempt gets its own store, workers get a failure-record
+    directory (yielded); afterwards, undo what the agent changed in this process."""
+    saved_env = {name: os.environ.get(name) for name in _AGENT_ENV}
+    saved_signals = _current_handlers()
+    failure_dir = tempfile.mkdtemp(prefix="ddpkit-failures-")
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ[FAILURE_DIR_VARIABLE] = failure_dir
+    try:
+        yield failure_dir
+    finally:
+        shutil.rmtree(failure_dir, ignore_errors=True)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for signum, handler in saved_signals.items():
+            signal.signal(signum, handler)
+
+
+@contextmanager
+def rendezvous_store(endpoint: str, nnodes: int) -> Iterator[str]:
+    """Host the rendezvous store on the loopback address when the endpoint is loopback; yield the
+    endpoint with its real port (a free one for port 0). With several nodes, another agent on this
+    machine may host it already."""
+    host, _, port = endpoint.rpartition(":")
+    served = serve_on_loopback(host.strip("[]"), int(port), if_taken="peer" if nnodes > 1 else "raise")
+    try:
+        yield endpoint if served is None else f"{host}:{served}"
+    finally:
+        release_loopback_store(served)
+
+
+@contextmanager
+def translated_failures(failure_dir: str, endpoint: str, nnodes: int, join_timeout: float | None) -> Iterator[None]:
+    """Turn the elastic agent's errors into ddpkit's (see the module docstring)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    try:
+        yield
+    except ChildFailedError as err:
+        _release_frames(err)
+        raise worker_failed_error(err, read_records(failure_dir)) from err
+    except RendezvousError as err:
+        _release_frames(err)
+        raise _rendezvous_failed(err, endpoint, nnodes, join_timeout) from err
+
+
+def _rendezvous_failed(err: Exception, endpoint: str, nnodes: int, join_timeout: float | None) -> RendezvousFailedError:
+    waited = f"{join_timeout:g} s" if join_timeout is not None else "the join timeout (600 s by default)"
+    detail = f" ({type(err).__name__}: {err})" if str(err) else f" ({type(err).__name__})"
+    return RendezvousFailedError(
+        f"the rendezvous at {endpoint} did not complete: this node waited {waited} for {nnodes} node(s) and fewer "
+        f"joined{detail}. Start the same command on every node with the same rendezvous endpoint and id (and "
+        f"nnodes={nnodes}), check that {endpoint} is reachable from each node and that no other program holds "
+        "its port"
+    )
+
+
+def _release_frames(err: BaseException) -> None:
+    """Clear the locals of the agent's finished frames in ``err``'s traceback.
+
+    They hold the rendezvous store, whose server would otherwise keep listening
+    for as long as the caller keeps the exception (the traceback still prints).
+    """
+    traceback.clear_frames(err.__traceback__)
+
+
+def _current_handlers() -> dict[signal.Signals, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for name in _AGENT_SIGNALS if (sig := getattr(signal, name, None)) is not None}
