@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from ddpkit._hang_report import analyse, full_report, summary, user_frame
+from ddpkit._hang_report import analyse, full_report, summary
+from ddpkit._stacks import user_frame
 
 USER = "/home/me/train.py"
 TORCH = str(Path(torch.__file__).parent / "distributed" / "distributed_c10d.py")

@@ -33,7 +33,8 @@ from ddpkit import (
     seed_everything,
 )
 from ddpkit._watchdog import hang_timeout
-from ddpkit.process_group import _resolve_backend, collective_device
+from ddpkit.connection import _resolve_backend
+from ddpkit.process_group import collective_device
 from ddpkit.testing import run_parallel
 
 # --- without a process group ------------------------------------------------------------

@@ -16,17 +16,14 @@ member has entered them, so:
 
 from __future__ import annotations
 
-import linecache
 import os
-import re
-import site
-import sysconfig
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GroupVerdict", "HangAnalysis", "RankState", "analyse", "full_report", "summary", "user_frame"]
+from ddpkit._stacks import dumped_frames, frame_text, is_ddpkits, is_users, marked, user_frame
+
+__all__ = ["GroupVerdict", "HangAnalysis", "RankState", "analyse", "full_report", "summary"]
 
 #: One rank's answer: ``{"rank", "host", "pid", "groups": {name: {"ranks", "desc", "last"}}, "threads",
 #: "children", "waited"}``; ``last`` is ``{"seq", "op", "sizes", "dtypes", "active", "age", "frames"}`` or
@@ -142,24 +139,14 @@ def full_report(analysis: HangAnalysis) -> str:
             where = _describe_call(last) if last else "no collective yet"
             lines.append(f"group {group.get('desc', name)}: latest {where}")
             for frame in (last or {}).get("frames", []):
-                lines.append(f"    {_frame_text(frame)}")
+                lines.append(f"    {frame_text(frame)}")
         for thread in state.get("threads", []):
             lines.append(f"--- thread {thread.get('name')} (most recent call last):")
-            lines.extend(f"    {_marked(frame)}" for frame in thread.get("frames", []))
+            lines.extend(f"    {marked(frame)}" for frame in thread.get("frames", []))
         for child in state.get("children", []):
             lines.append(f"--- child process {child.get('pid')} ({child.get('name', '')}):")
             lines.extend(f"    {line}" for line in str(child.get("stack", "")).splitlines())
     return "\n".join(lines) + "\n"
-
-
-def user_frame(frames: Iterable[list[Any]]) -> list[Any] | None:
-    """The innermost frame of the user's own code: not torch, ddpkit's machinery, the standard library or an
-    installed package (ddpkit's bundled examples count as user code)."""
-    found = None
-    for frame in frames:
-        if _is_users(str(frame[0])):
-            found = frame
-    return found
 
 
 # --- text -------------------------------------------------------------------------------------------
@@ -212,7 +199,7 @@ def _rank_state(analysis: HangAnalysis, rank: int) -> str:
     if last and last.get("active"):
         frames = last.get("frames", [])
         call = user_frame(frames)
-        at = f", called at {_frame_text(call)}" if call else ""
+        at = f", called at {frame_text(call)}" if call else ""
         if _in_final_barrier(frames):
             at = ": it returned from your function and waits for the others to finish (the launcher's last barrier)"
         text = f"in {_describe_call(last)} for {float(last.get('age', 0.0)):.1f} s{at}"
@@ -222,10 +209,10 @@ def _rank_state(analysis: HangAnalysis, rank: int) -> str:
         main = _main_frames(state)
         here = user_frame(main)
         if here is not None:
-            text += f"; now at {_frame_text(here)}"
+            text += f"; now at {frame_text(here)}"
         for child in state.get("children", []):
-            here = user_frame(_dumped_frames(str(child.get("stack", ""))))
-            at = f", which is at {_frame_text(here)}" if here else ""
+            here = user_frame(dumped_frames(str(child.get("stack", ""))))
+            at = f", which is at {frame_text(here)}" if here else ""
             text += f"; waiting on its DataLoader worker (pid {child.get('pid')}){at}"
     return text
 
@@ -236,7 +223,7 @@ def _grouped_stacks(analysis: HangAnalysis) -> list[str]:
         state = analysis.states.get(rank)
         if state is None:
             continue
-        frames = tuple(_marked(frame) for frame in _from_users_code(_main_frames(state)))
+        frames = tuple(marked(frame) for frame in _from_users_code(_main_frames(state)))
         stacks.setdefault(frames, []).append(rank)
     lines = []
     for frames, ranks in stacks.items():
@@ -247,30 +234,14 @@ def _grouped_stacks(analysis: HangAnalysis) -> list[str]:
             continue  # its workers only wait for it
         for child in analysis.states[rank].get("children", []):
             lines.append(f"    its DataLoader worker (pid {child.get('pid')}):")
-            child_frames = _from_users_code(_dumped_frames(str(child.get("stack", ""))))
-            lines.extend(f"      {_marked(frame)}" for frame in child_frames)
+            child_frames = _from_users_code(dumped_frames(str(child.get("stack", ""))))
+            lines.extend(f"      {marked(frame)}" for frame in child_frames)
     return lines
 
 
 def _in_collective(analysis: HangAnalysis, rank: int) -> bool:
     last = _last(analysis.states.get(rank), analysis.groups[0].name) if analysis.groups else None
     return bool(last and last.get("active"))
-
-
-def _dumped_frames(dump: str) -> list[list[Any]]:
-    """The frames of the current thread in a ``faulthandler`` dump, outermost first, with their source lines."""
-    block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
-    frames: list[list[Any]] = []
-    for line in block.splitlines()[1:]:
-        match = _DUMP_FRAME.match(line)
-        if match is None:
-            break
-        filename, number, function = match.group(1), int(match.group(2)), match.group(3)
-        frames.append([filename, number, function, linecache.getline(filename, number).strip()])
-    return frames[::-1]
-
-
-_DUMP_FRAME = re.compile(r'\s+File "(.*)", line (\d+) in (.*)$')
 
 
 def _describe_call(last: dict[str, Any] | None) -> str:
@@ -330,9 +301,9 @@ def _main_frames(state: RankState) -> list[list[Any]]:
 def _from_users_code(frames: list[list[Any]]) -> list[list[Any]]:
     """The frames from the outermost frame of the user's code on; without one, from ddpkit's first frame (or
     the last eight)."""
-    first = next((i for i, frame in enumerate(frames) if _is_users(str(frame[0]))), None)
+    first = next((i for i, frame in enumerate(frames) if is_users(str(frame[0]))), None)
     if first is None:
-        first = next((i for i, f in enumerate(frames) if os.path.abspath(str(f[0])).startswith(_PACKAGE)), None)
+        first = next((i for i, f in enumerate(frames) if is_ddpkits(str(f[0]))), None)
     return frames[first:] if first is not None else frames[-8:]
 
 
@@ -340,17 +311,6 @@ def _in_final_barrier(frames: list[list[Any]]) -> bool:
     """Whether a collective was called by the barrier that ddpkit's workers run after the user's function."""
     worker = os.path.join("ddpkit", "_worker.py")
     return user_frame(frames) is None and any(str(f[0]).endswith(worker) and f[2] == "run_as_rank" for f in frames)
-
-
-def _frame_text(frame: list[Any]) -> str:
-    filename, line, function = _short_path(str(frame[0])), frame[1], frame[2]
-    text = f"{filename}:{line} in {function}"
-    source = frame[3] if len(frame) > 3 else ""
-    return f"{text}: {source}" if source else text
-
-
-def _marked(frame: list[Any]) -> str:
-    return ("> " if _is_users(str(frame[0])) else "  ") + _frame_text(frame)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -366,42 +326,3 @@ def _ranks(ranks: list[int]) -> str:
             runs.append([rank])
     parts = [f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs]
     return "ranks " + ", ".join(parts)
-
-
-def _library_roots() -> tuple[str, ...]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    roots = {here + os.sep, *(p + os.sep for p in site.getsitepackages() if p)}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.add(os.path.abspath(path) + os.sep)
-    return tuple(sorted(roots))
-
-
-_LIBRARY_ROOTS = _library_roots()
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_EXAMPLES = os.path.join(_PACKAGE, "examples") + os.sep
-
-
-def _short_path(filename: str) -> str:
-    """A library file relative to its installation (``torch/distributed/distributed_c10d.py``), a file under
-    the working directory relative to it; anything else as it is."""
-    if filename.startswith("<"):
-        return filename
-    path = os.path.abspath(filename)
-    for root in sorted(_LIBRARY_ROOTS, key=len, reverse=True):
-        if path.startswith(root) and not path.startswith(_PACKAGE):
-            return path[len(root) :]
-    if path.startswith(_PACKAGE):
-        return "ddpkit/" + path[len(_PACKAGE) :]
-    cwd = os.getcwd() + os.sep
-    return path[len(cwd) :] if path.startswith(cwd) else filename
-
-
-def _is_users(filename: str) -> bool:
-    if filename.startswith("<"):
-        return False
-    path = os.path.abspath(filename)
-    if path.startswith(_EXAMPLES):
-        return True
-    return not path.startswith(_LIBRARY_ROOTS)

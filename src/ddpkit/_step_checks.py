@@ -6,7 +6,7 @@ import contextlib
 import inspect
 from typing import Any
 
-from ddpkit._watchdog import StackDumpOnSignal
+from ddpkit._stacks import StackDumpOnSignal
 from ddpkit.errors import DDPKitError
 from ddpkit.process_group import get_rank, is_distributed
 

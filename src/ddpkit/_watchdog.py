@@ -25,19 +25,15 @@ waits (rank 0 writing a checkpoint while the others wait) from counting.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import json
 import logging
-import multiprocessing
 import os
 import pickle
-import signal
 import socket
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,16 +42,15 @@ import torch.distributed as dist
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, write_hang_record
 from ddpkit._hang_report import RankState, analyse, full_report, summary
-from ddpkit._orphans import children_die_with_this_process, die_with_parent
+from ddpkit._orphans import children_die_with_this_process
+from ddpkit._stacks import children_stacks, dump_stacks_in_forked_children, kill_children, thread_stacks
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "REPORT_DIR_VARIABLE",
     "TIMEOUT_VARIABLE",
-    "StackDumpOnSignal",
     "enable_flight_recorder",
     "hang_timeout",
-    "install_stack_dump",
     "paused",
     "start_watchdog",
     "stop_watchdog",
@@ -75,14 +70,9 @@ _KEYS = "ddpkit/hang/"
 #: Seconds the leader waits for every rank's answer, and the others for the leader's report.
 _ANSWER_WINDOW = 5.0
 
-_STACK_FILE_PREFIX = "ddpkit-stacks-"
-
 _current: Watchdog | None = None
 _pauses = 0
 _lock = threading.Lock()
-#: This process's stack-dump file, and the pid that made it (a forked child makes its own).
-_stack_dump: tuple[int, Any] | None = None
-_hooked_forks = False
 
 
 def enable_flight_recorder() -> None:
@@ -127,7 +117,7 @@ def start_watchdog(timeout: float | None = None, *, wait_for_group: bool = False
         if _current is not None and _current.is_alive():
             return
         _current = Watchdog(deadline, wait_for_group=wait_for_group)
-        _dump_stacks_in_forked_children()  # now, in this thread: before any DataLoader forks its workers
+        dump_stacks_in_forked_children()  # now, in this thread: before any DataLoader forks its workers
         children_die_with_this_process()  # a hung rank's forked workers must not outlive it
         _current.start()
 
@@ -139,48 +129,6 @@ def stop_watchdog() -> None:
         watchdog, _current = _current, None
     if watchdog is not None:
         watchdog.stop()
-
-
-def install_stack_dump() -> None:
-    """Dump this process's Python stacks into a private file on SIGUSR2 (for a hang report of its parent).
-
-    The file is unlinked at once (its parent reads it through ``/proc/PID/fd``), so
-    nothing is left behind. Nothing happens where SIGUSR2 has a handler already.
-    """
-    global _stack_dump
-    if not hasattr(signal, "SIGUSR2") or (_stack_dump is not None and _stack_dump[0] == os.getpid()):
-        return
-    if signal.getsignal(signal.SIGUSR2) not in (signal.SIG_DFL, None):
-        return
-    try:
-        handle = tempfile.NamedTemporaryFile(mode="w+", prefix=_STACK_FILE_PREFIX, delete=False)  # noqa: SIM115
-        os.unlink(handle.name)
-        faulthandler.register(signal.SIGUSR2, file=handle, all_threads=True, chain=False)
-    except (OSError, RuntimeError, ValueError):
-        return
-    _stack_dump = (os.getpid(), handle)
-
-
-class StackDumpOnSignal:
-    """A DataLoader ``worker_init_fn`` that first makes the worker die with its rank and dump its stacks on
-    SIGUSR2 (:func:`install_stack_dump`), then calls the user's own function (picklable, so spawned workers get
-    it too)."""
-
-    def __init__(self, worker_init_fn: Any = None) -> None:
-        self.worker_init_fn = worker_init_fn
-
-    def __call__(self, worker_id: int) -> None:
-        die_with_parent()  # a spawned worker gets no at-fork hook
-        install_stack_dump()
-        if self.worker_init_fn is not None:
-            self.worker_init_fn(worker_id)
-
-
-def _dump_stacks_in_forked_children() -> None:
-    global _hooked_forks
-    if not _hooked_forks and hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=install_stack_dump)
-        _hooked_forks = True
 
 
 @contextlib.contextmanager
@@ -279,10 +227,10 @@ class Watchdog(threading.Thread):
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "groups": _recorded_groups(),
-            "threads": _thread_stacks(skip=threading.get_ident()),
-            "children": self._children_stacks(),
+            "threads": thread_stacks(skip=threading.get_ident()),
+            "children": children_stacks(),
         }
-        _kill_children()  # their stacks are in; the job ends, and no rank exits before every rank answered
+        kill_children()  # their stacks are in; the job ends, and no rank exits before every rank answered
         self._store.set(f"{_KEYS}answer/{self._rank}", json.dumps(state))
 
     def _collect(self) -> dict[int, RankState]:
@@ -304,22 +252,9 @@ class Watchdog(threading.Thread):
             with contextlib.suppress(Exception):
                 while time.monotonic() < deadline and not self._store.check([_KEYS + "done"]):
                     time.sleep(0.05)
-        _kill_children()
+        kill_children()
         sys.stderr.flush()
         os._exit(1)
-
-    def _children_stacks(self) -> list[dict[str, Any]]:
-        """The stacks of this process's children that dump them on SIGUSR2 (see :func:`install_stack_dump`);
-        the others are listed without one."""
-        stacks = []
-        for child in multiprocessing.active_children():
-            pid = child.pid
-            if pid is None:
-                continue
-            dump = _stack_file_of(pid) if _handles_sigusr2(pid) else None
-            stack = _signal_and_read(pid, dump) if dump else "(no stack: it does not dump it on SIGUSR2)"
-            stacks.append({"pid": pid, "name": child.name, "stack": stack})
-        return stacks
 
 
 # --- what this process knows ----------------------------------------------------------------------
@@ -378,69 +313,6 @@ def _members(configs: dict[str, Any], name: str, description: str) -> list[int] 
     except ValueError:
         return None
     return [int(r) for r in ranks] if isinstance(ranks, list) else None
-
-
-def _thread_stacks(skip: int) -> list[dict[str, Any]]:
-    """Every thread's stack but the watchdog's, outermost frame first; the main thread first."""
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
-    main = threading.main_thread().ident
-    threads = []
-    for ident, frame in sys._current_frames().items():
-        if ident == skip:
-            continue
-        frames = [[f.filename, f.lineno, f.name, (f.line or "").strip()] for f in traceback.extract_stack(frame)]
-        threads.append({"name": names.get(ident, str(ident)), "main": ident == main, "frames": frames})
-    return sorted(threads, key=lambda t: not t["main"])
-
-
-def _kill_children() -> None:
-    for child in multiprocessing.active_children():
-        with contextlib.suppress(Exception):
-            child.kill()
-
-
-def _stack_file_of(pid: int) -> str | None:
-    """``/proc/PID/fd/N`` of the child's unlinked stack-dump file, or ``None``."""
-    directory = f"/proc/{pid}/fd"
-    try:
-        for fd in os.listdir(directory):
-            with contextlib.suppress(OSError):
-                if _STACK_FILE_PREFIX in os.readlink(f"{directory}/{fd}"):
-                    return f"{directory}/{fd}"
-    except OSError:
-        return None
-    return None
-
-
-def _signal_and_read(pid: int, dump: str) -> str:
-    """Ask process ``pid`` for its stacks; what it writes within a second, once its dump stops growing."""
-    try:
-        with open(dump, encoding="utf-8", errors="replace") as handle:
-            start = handle.seek(0, os.SEEK_END)
-            os.kill(pid, signal.SIGUSR2)
-            text, previous = "", None
-            for _ in range(20):
-                time.sleep(0.05)
-                handle.seek(start)
-                text = handle.read()
-                if text and text == previous:
-                    break
-                previous = text
-    except OSError as exc:
-        return f"(no stack: {exc})"
-    return text
-
-
-def _handles_sigusr2(pid: int) -> bool:
-    """Whether process ``pid`` catches SIGUSR2 (Linux ``/proc/PID/status``), so that it dumps instead of dying."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    for line in status.splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) >> (signal.SIGUSR2 - 1) & 1)
-    return False
 
 
 def _write_report(text: str) -> str | None:

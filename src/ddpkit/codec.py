@@ -34,7 +34,7 @@ import torch
 
 from ddpkit.framing import PREFIX, align, body_offset, pack_prefix, unpack_prefix
 
-__all__ = ["pack", "unpack"]
+__all__ = ["dtype_from_name", "dtype_name", "pack", "unpack"]
 
 _SCALARS = (str, int, float, bool, type(None))
 _SCALAR_TYPES = frozenset(_SCALARS)
@@ -43,6 +43,23 @@ _SCALAR_TYPES = frozenset(_SCALARS)
 def _all_scalars(items: list[Any]) -> bool:
     """Whether every item is a plain JSON scalar (checked in C: ~30 ns an item)."""
     return set(map(type, items)) <= _SCALAR_TYPES
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32``: the name ddpkit sends and prints for a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The inverse of :func:`dtype_name`.
+
+    Raises:
+        ValueError: ``name`` is not a torch dtype.
+    """
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
 
 
 def pack(obj: Any, *, allow_pickle: bool = False, device: torch.device | None = None) -> torch.Tensor:
@@ -167,7 +184,7 @@ class _Encoder:
             raise TypeError(f"{path} is a {tensor.layout} tensor; only dense (strided) tensors can be sent")
         data = tensor.detach().contiguous().reshape(-1)
         raw = data.view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8, device=data.device)
-        dtype = str(tensor.dtype).removeprefix("torch.")
+        dtype = dtype_name(tensor.dtype)
         return [self.leaf(raw), dtype, list(tensor.shape), tensor.device.type, tensor.requires_grad]
 
     def array(self, array: np.ndarray, path: str) -> list[Any]:
@@ -257,12 +274,11 @@ class _Decoder:
         items = [self.decode(item) for item in value]
         return builder(_hashable(i) for i in items) if builder in (set, frozenset) else builder(items)
 
-    def tensor(
-        self, index: int, dtype_name: str, shape: list[int], device_type: str, requires_grad: bool
-    ) -> torch.Tensor:
-        dtype = getattr(torch, dtype_name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"corrupt ddpkit codec buffer: unknown dtype {dtype_name!r}")
+    def tensor(self, index: int, name: str, shape: list[int], device_type: str, requires_grad: bool) -> torch.Tensor:
+        try:
+            dtype = dtype_from_name(name)
+        except ValueError as exc:
+            raise ValueError(f"corrupt ddpkit codec buffer: {exc}") from None
         numel = 1
         for size in shape:
             numel *= size

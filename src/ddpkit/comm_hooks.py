@@ -23,6 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as po
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_sgd
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit.codec import dtype_name
 from ddpkit.errors import DDPKitError
 
 __all__ = [
@@ -237,8 +238,7 @@ def _probe_backend(model: DistributedDataParallel, dtype: torch.dtype, state: ob
     try:
         dist.all_reduce(torch.ones(1, dtype=dtype, device=device), group=group)
     except RuntimeError as exc:
-        name = str(dtype).removeprefix("torch.")
         raise DDPKitError(
-            f"the {backend} backend cannot all-reduce {name} tensors on {device.type}, which this hook sends "
-            f"({exc}); use 'allreduce' or a compression the backend supports"
+            f"the {backend} backend cannot all-reduce {dtype_name(dtype)} tensors on {device.type}, which this hook "
+            f"sends ({exc}); use 'allreduce' or a compression the backend supports"
         ) from exc

@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._orphans import die_with_parent
+from ddpkit.connection import _pin_gloo_to_loopback
 from ddpkit.errors import WorkerFailedError
-from ddpkit.process_group import _pin_gloo_to_loopback
 
 __all__ = ["PROCESS_GROUP_TIMEOUT_S", "close_pools", "run_parallel"]
 

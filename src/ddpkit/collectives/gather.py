@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.codec import dtype_name
 from ddpkit.collectives.transport import GroupInfo, Header, error_header, exchange
 from ddpkit.errors import CollectiveMismatchError
 from ddpkit.process_group import collective_device, get_rank, is_distributed
@@ -50,7 +51,7 @@ def gather_all_tensors(result: torch.Tensor, group: dist.ProcessGroup | None = N
 
 def _gather(result: Any, group: dist.ProcessGroup | None, what: str, same_shape: bool) -> list[torch.Tensor]:
     if isinstance(result, torch.Tensor) and result.layout == torch.strided:
-        header: Header = {"dtype": str(result.dtype)[6:], "shape": list(result.shape)}
+        header: Header = {"dtype": dtype_name(result.dtype), "shape": list(result.shape)}
         payload: torch.Tensor | None = result
     elif isinstance(result, torch.Tensor):
         header, payload = error_header(TypeError(f"{what} needs a dense tensor, got a {result.layout} one")), None

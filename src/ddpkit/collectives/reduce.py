@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from ddpkit.codec import dtype_name
 from ddpkit.collectives.agreement import all_equal, signature_terms
 from ddpkit.collectives.transport import GroupInfo, error_header, exchange, raise_errors
 from ddpkit.errors import CollectiveMismatchError
@@ -144,7 +145,7 @@ def _as_tensor(result: object, op: ReduceOpName = "sum") -> torch.Tensor:
 
 
 def _describe(tensor: torch.Tensor, op: str) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)} {op}"
+    return f"{dtype_name(tensor.dtype)} {tuple(tensor.shape)} {op}"
 
 
 def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOpName, info: GroupInfo) -> torch.Tensor:

@@ -27,15 +27,16 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ddpkit.codec import dtype_name
 from ddpkit.collectives import record
 from ddpkit.errors import DDPKitError
 from ddpkit.framing import align
-from ddpkit.process_group import is_distributed
+from ddpkit.process_group import device_of_group, is_distributed
 
 __all__ = [
     "GroupInfo",
@@ -58,21 +59,27 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 _CPU = torch.device("cpu")
 
 
-class GroupInfo:
-    """What the collectives need to know about a process group, looked up once per call."""
+class GroupInfo(NamedTuple):
+    """What the collectives need to know about a process group, looked up once per call (immutable, and cheap to
+    build: it is built on every collective).
 
-    __slots__ = ("device", "distributed", "group", "nccl", "rank", "world_size")
+    Attributes:
+        group: the group as the caller gave it (``None``: the default group).
+        distributed: whether a process group exists at all.
+        world_size, rank: of this process in ``group``.
+        device: where the group's collectives take their tensors (:func:`~ddpkit.process_group.collective_device`).
+    """
 
-    def __init__(
-        self, group: dist.ProcessGroup | None, distributed: bool, world_size: int, rank: int, device: torch.device,
-        nccl: bool,
-    ) -> None:  # fmt: skip
-        self.group = group
-        self.distributed = distributed
-        self.world_size = world_size
-        self.rank = rank
-        self.device = device
-        self.nccl = nccl
+    group: dist.ProcessGroup | None
+    distributed: bool
+    world_size: int
+    rank: int
+    device: torch.device
+
+    @property
+    def nccl(self) -> bool:
+        """Whether the group's collectives run on CUDA (NCCL)."""
+        return self.device.type == "cuda"
 
     @staticmethod
     def of(group: dist.ProcessGroup | None) -> GroupInfo:
@@ -82,14 +89,11 @@ class GroupInfo:
             ValueError: this rank is not a member of ``group``.
         """
         if not is_distributed():
-            return GroupInfo(group, False, 1, 0, _CPU, False)
+            return GroupInfo(group, False, 1, 0, _CPU)
         pg = group if group is not None else dist.group.WORLD
         if not isinstance(pg, dist.ProcessGroup):
             raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the process group it was given")
-        name = pg.name()  # cheaper than dist.get_backend(); fall back to it for device-mapped groups
-        nccl = name == "nccl" if name in ("gloo", "nccl", "mpi", "ucc") else dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else _CPU
-        return GroupInfo(group, True, pg.size(), pg.rank(), device, nccl)
+        return GroupInfo(group, True, pg.size(), pg.rank(), device_of_group(pg, group))
 
     @property
     def alone(self) -> bool:
@@ -105,7 +109,7 @@ _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )  # fmt: skip
-_DTYPE_CODES = {str(dtype)[6:]: code for code, dtype in enumerate(_DTYPES)}
+_DTYPE_CODES = {dtype_name(dtype): code for code, dtype in enumerate(_DTYPES)}
 _TENSOR_HEADER = struct.Struct("<BBB")  # form (1 = tensor), dtype code, number of dimensions; then int64 sizes
 
 
@@ -123,7 +127,7 @@ def decode_header(data: bytes) -> Header:
     """The inverse of :func:`encode_header`."""
     if data[:1] == b"\x01":
         _, code, ndim = _TENSOR_HEADER.unpack_from(data)
-        return {"dtype": str(_DTYPES[code])[6:], "shape": list(struct.unpack_from(f"<{ndim}q", data, 3))}
+        return {"dtype": dtype_name(_DTYPES[code]), "shape": list(struct.unpack_from(f"<{ndim}q", data, 3))}
     return dict(json.loads(data[1:]))
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpkit.codec import pack, unpack
+from ddpkit.codec import dtype_from_name, dtype_name, pack, unpack
 from ddpkit.collectives.transport import GroupInfo, Header, error_header, exchange, exchange_headers
 from ddpkit.errors import CollectiveMismatchError
 from ddpkit.framing import align
@@ -209,7 +209,7 @@ def _describe_values(values: dict[Any, Value], allow_pickle: bool) -> tuple[list
         data = value.data
         kind: Kind
         if isinstance(data, torch.Tensor):
-            kind, dtype, shape = "tensor", str(data.dtype).removeprefix("torch."), tuple(data.shape)
+            kind, dtype, shape = "tensor", dtype_name(data.dtype), tuple(data.shape)
             flat = data.detach().contiguous().reshape(-1)
             raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
         elif isinstance(data, np.ndarray):
@@ -341,7 +341,7 @@ def _view(data: torch.Tensor, metas: list[KeyMeta]) -> Any:
     if shape:
         shape[0] = sum(m.shape[0] for m in metas)
     if meta.kind == "tensor":
-        dtype = getattr(torch, meta.dtype)
+        dtype = dtype_from_name(meta.dtype)
         return data.view(dtype).reshape(shape) if data.numel() else torch.empty(shape, dtype=dtype, device=data.device)
     np_dtype = np.dtype(meta.dtype)
     host = data.cpu().numpy()

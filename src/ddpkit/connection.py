@@ -1,0 +1,279 @@
+"""Create and destroy the default process group: ``init_dist_connection`` (Lightning's) and its helpers.
+
+From a cluster environment (ddpkit's, Lightning's 1.x or 2.x, or anything with
+their methods) to ``torch.distributed.init_process_group``: the rank, world
+size, master address and port, the backend (NCCL for a rank that owns a GPU,
+else gloo), a master address checked to resolve, a store bound to loopback when
+the master is loopback, torch's flight recorder and ddpkit's hang watchdog for
+jobs of several processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ddpkit import _watchdog as watchdog
+from ddpkit._stores import release_loopback_store, serve_on_loopback
+from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback
+from ddpkit.environments.base import check_resolves
+from ddpkit.errors import ClusterEnvironmentError, DDPKitError
+
+__all__ = [
+    "SupportsClusterEnvironment",
+    "SupportsMainAddress",
+    "destroy_dist_connection",
+    "init_dist_connection",
+    "main_address_and_port",
+]
+
+log = logging.getLogger(__name__)
+
+#: The port of the loopback store this process hosts for the default group (rank 0), if any.
+_served_port: int | None = None
+
+_KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+#: torch's shortest default process-group timeout (NCCL's 10 minutes; gloo's is 30).
+_SHORTEST_DEFAULT_TIMEOUT_S = 600
+
+
+class SupportsClusterEnvironment(Protocol):
+    """A cluster environment as Lightning 1.x defines one: ``master_address()`` and ``master_port()`` methods.
+
+    ``global_rank()`` and ``local_rank()`` are used when present.
+    """
+
+    def master_address(self) -> str: ...
+
+    def master_port(self) -> int: ...
+
+    def world_size(self) -> int: ...
+
+
+class SupportsMainAddress(Protocol):
+    """A cluster environment as Lightning 1.6+ and 2.x define one: ``main_address`` and ``main_port`` properties.
+
+    ``global_rank()`` and ``local_rank()`` are used when present.
+    """
+
+    @property
+    def main_address(self) -> str: ...
+
+    @property
+    def main_port(self) -> int: ...
+
+    def world_size(self) -> int: ...
+
+
+def init_dist_connection(
+    cluster_environment: SupportsClusterEnvironment | SupportsMainAddress | None = None,
+    torch_distributed_backend: str | None = None,
+    global_rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    hang_timeout: float | None = None,
+    **kwargs: Any,
+) -> None:
+    """Initialise the default process group from a cluster environment (seed 003).
+
+    Sets ``MASTER_ADDR`` and ``MASTER_PORT`` from the environment, then calls
+    :func:`torch.distributed.init_process_group`. Every rank of the job must call
+    it. Calling it again once a group exists does nothing (but an explicit
+    ``global_rank`` or ``world_size`` that contradicts the existing group raises).
+
+    Args:
+        cluster_environment: where this process sits; ``None`` means
+            :func:`~ddpkit.detect_environment`. Any object with
+            ``master_address()``, ``master_port()`` and ``world_size()`` works
+            (Lightning 1.x), or with ``main_address`` and ``main_port``
+            properties and ``world_size()`` (Lightning 1.6+ and 2.x, e.g.
+            ``lightning.fabric.plugins.environments.SLURMEnvironment()``);
+            ``global_rank()`` and ``local_rank()`` are used when it has them.
+        torch_distributed_backend: ``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"``,
+            ``"xccl"``, a device map such as ``"cpu:gloo,cuda:nccl"``, or
+            ``None``/``"auto"``: ``nccl`` when this rank owns a CUDA device (its
+            local rank is below the device count), else ``gloo``.
+        global_rank: this process's rank; default the environment's.
+        world_size: number of processes; default the environment's.
+        hang_timeout: seconds a rank may wait in one collective before the job
+            counts as hung (default ``DDPKIT_HANG_TIMEOUT``, else 300; ``0``
+            turns the watchdog off). With several processes a watchdog thread
+            then watches every collective of this process (torch's flight
+            recorder is turned on for it); past the deadline every rank's state
+            and stack go into one report and the job stops (see the README,
+            "When a job hangs"). The process group's own ``timeout`` defaults to
+            at least this plus 60 s, so that the report comes first.
+        **kwargs: forwarded to ``init_process_group``, e.g. ``timeout`` (a
+            ``timedelta``, or a number of seconds) or ``init_method``.
+
+    When the master address is loopback, nothing listens beyond this machine:
+    rank 0 hosts the store on the loopback address (torch's own would listen on
+    every interface), and gloo is pinned to the loopback interface unless
+    ``GLOO_SOCKET_IFNAME`` is set.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not available in this build.
+        ValueError: an unknown or unavailable backend (the message lists the valid
+            ones), ``nccl`` without a CUDA device, or a rank outside
+            ``[0, world_size)``.
+        ClusterEnvironmentError: several processes but no ``MASTER_PORT`` they
+            could agree on, inconsistent environment variables, or a master
+            address that does not resolve (naming it and where it came from).
+        DDPKitError: a group exists with a different rank or world size.
+    """
+    if not dist.is_available():
+        raise RuntimeError(
+            "torch.distributed is not available in this PyTorch build; install a build with "
+            "distributed support (the standard Linux and macOS wheels have it)"
+        )
+    if dist.is_initialized():
+        _check_matches_existing_group(global_rank, world_size)
+        log.debug("init_dist_connection: the default process group already exists")
+        return
+
+    env = cluster_environment if cluster_environment is not None else detect_environment()
+    rank = _optional_method(env, "global_rank", global_rank)
+    size = int(env.world_size()) if world_size is None else int(world_size)
+    if rank is None:
+        raise TypeError(f"{type(env).__name__} has no global_rank() method; pass global_rank= to init_dist_connection")
+    if not 0 <= rank < size:
+        raise ValueError(f"global_rank={rank} must be in [0, world_size={size})")
+    local_rank = _optional_method(env, "local_rank", None) or 0
+    backend = _resolve_backend(torch_distributed_backend, local_rank)
+    if size > 1 and isinstance(env, LocalEnvironment) and env.port_was_chosen:
+        raise ClusterEnvironmentError(
+            f"world_size={size} but MASTER_PORT is not set, so each process would pick its own port and wait "
+            "for the others forever; set MASTER_ADDR and MASTER_PORT in every process, or start them with "
+            "`ddpkit run` or ddpkit.launch()"
+        )
+
+    address, port = main_address_and_port(env)
+    source = getattr(env, "master_address_source", None)
+    check_resolves(address, source() if callable(source) else f"the master address of {type(env).__name__}")
+    deadline = watchdog.hang_timeout(hang_timeout) if size > 1 else None
+    if deadline is not None:
+        watchdog.enable_flight_recorder()
+        if "timeout" not in kwargs and deadline + 60 > _SHORTEST_DEFAULT_TIMEOUT_S:
+            kwargs["timeout"] = deadline + 60
+    os.environ["MASTER_ADDR"] = address
+    os.environ["MASTER_PORT"] = str(port)
+    if "gloo" in backend and is_loopback(address):
+        _pin_gloo_to_loopback()
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank)
+    if isinstance(kwargs.get("timeout"), (int, float)):
+        kwargs["timeout"] = timedelta(seconds=kwargs["timeout"])
+    global _served_port
+    if rank == 0 and "init_method" not in kwargs and "store" not in kwargs:
+        # Else torch's store listens on every interface. A port held already is left to torch: its
+        # own server in this process, or its error.
+        _served_port = serve_on_loopback(address, port, if_taken="torch")
+    log.info("initialising process group: rank %d of %d, backend %s, master %s:%d", rank, size, backend, address, port)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)
+    except BaseException:
+        release_loopback_store(_served_port)
+        _served_port = None
+        raise
+    if deadline is not None:
+        watchdog.start_watchdog(deadline)
+
+
+def destroy_dist_connection() -> None:
+    """Destroy the default process group, if there is one (every rank must call it); stop its hang watchdog."""
+    global _served_port
+    watchdog.stop_watchdog()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    release_loopback_store(_served_port)
+    _served_port = None
+
+
+def main_address_and_port(env: SupportsClusterEnvironment | SupportsMainAddress) -> tuple[str, int]:
+    """A cluster environment's rank-0 address and port: ``master_address()``/``master_port()`` (Lightning 1.x,
+    ddpkit's environments), else the ``main_address``/``main_port`` properties (Lightning 1.6+ and 2.x).
+
+    Raises:
+        TypeError: ``env`` has neither.
+    """
+    if callable(getattr(env, "master_address", None)) and callable(getattr(env, "master_port", None)):
+        return str(env.master_address()), int(env.master_port())  # type: ignore[union-attr]
+    if hasattr(env, "main_address") and hasattr(env, "main_port"):
+        address, port = env.main_address, env.main_port
+        return str(address() if callable(address) else address), int(port() if callable(port) else port)
+    raise TypeError(
+        f"{type(env).__name__} is not a cluster environment: it needs master_address() and master_port() methods "
+        "(Lightning 1.x) or main_address and main_port properties (Lightning 2.x)"
+    )
+
+
+def _optional_method(obj: object, name: str, override: int | None) -> int | None:
+    if override is not None:
+        return int(override)
+    method = getattr(obj, name, None)
+    return int(method()) if callable(method) else None
+
+
+def _check_matches_existing_group(global_rank: int | None, world_size: int | None) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if (global_rank is not None and global_rank != rank) or (world_size is not None and world_size != size):
+        raise DDPKitError(
+            f"the default process group already exists as rank {rank} of {size}, but init_dist_connection "
+            f"was asked for global_rank={global_rank}, world_size={world_size}; call destroy_dist_connection() first"
+        )
+
+
+def _owns_cuda_device(local_rank: int) -> bool:
+    return torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+
+
+def _backend_available(name: str) -> bool:
+    checks: dict[str, Callable[[], bool]] = {
+        "gloo": dist.is_gloo_available,
+        "nccl": dist.is_nccl_available,
+        "mpi": dist.is_mpi_available,
+        "ucc": dist.is_ucc_available,
+        "xccl": getattr(dist, "is_xccl_available", lambda: False),
+    }
+    return checks[name]()
+
+
+def _resolve_backend(requested: str | None, local_rank: int) -> str:
+    """The backend name to pass to ``init_process_group`` (see :func:`init_dist_connection`)."""
+    if requested is None or requested.strip().lower() in ("", "auto"):
+        return "nccl" if _owns_cuda_device(local_rank) and dist.is_nccl_available() else "gloo"
+    name = requested.strip().lower()
+    backends = [part.split(":")[-1].strip() for part in name.split(",")]
+    available = [b for b in _KNOWN_BACKENDS if _backend_available(b)]
+    for backend in backends:
+        if backend not in _KNOWN_BACKENDS:
+            raise ValueError(
+                f"unknown torch_distributed_backend={requested!r}; use one of {', '.join(_KNOWN_BACKENDS)}, "
+                "'auto', or a device map such as 'cpu:gloo,cuda:nccl'"
+            )
+        if not _backend_available(backend):
+            raise ValueError(
+                f"backend {backend!r} is not available in this PyTorch build; available: {', '.join(available)}"
+            )
+    if "nccl" in backends and not _owns_cuda_device(local_rank):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(
+            f"backend 'nccl' needs a CUDA device for local rank {local_rank}, but this process sees {count}; "
+            "use 'gloo' on CPU (or torch_distributed_backend=None to choose automatically)"
+        )
+    return name
+
+
+def _pin_gloo_to_loopback() -> None:
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if names:
+        os.environ["GLOO_SOCKET_IFNAME"] = names[0]
