@@ -251,3 +251,9 @@ def _zero_state() -> tuple[int, int]:
 def test_optimizer_state_consolidates_a_sharded_optimizer_on_rank_zero() -> None:
     (full, parameters), (empty, _) = run_parallel(_zero_state)
     assert (full, empty) == (parameters, 0)
+
+
+def test_configure_ddp_without_a_process_group_says_how_to_create_one() -> None:
+    """Before, torch's raw 'Default process group has not been initialized' came out of DDP's constructor."""
+    with pytest.raises(ValueError, match=r"needs a process group: call ddpkit.init_dist_connection\(\) first"):
+        DDPPlugin().configure_ddp(nn.Linear(1, 1), None)

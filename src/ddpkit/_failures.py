@@ -1,4 +1,4 @@
-"""Which worker failed first: per-worker failure records and their reading (layer 5, private).
+"""Which worker failed first: per-worker failure records and their reading (private).
 
 When one worker raises, it exits, and its peers then fail inside their
 collectives with "Connection reset by peer". The elastic agent reports only the

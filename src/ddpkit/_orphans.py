@@ -1,4 +1,4 @@
-"""Workers die with the process that started them, so none is ever left behind (layer 5, private).
+"""Workers die with the process that started them, so none is ever left behind (private).
 
 If the launcher is killed (``kill -9``, an out-of-memory kill, a CI timeout),
 its workers would otherwise live on as orphans, often blocked for good in a

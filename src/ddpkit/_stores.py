@@ -1,4 +1,4 @@
-"""TCP stores that listen on the loopback interface only (layer 2, private).
+"""TCP stores that listen on the loopback interface only (private).
 
 ``torch.distributed.TCPStore`` listens on every interface of the machine, whatever
 host it is given: a single-node run would expose its rendezvous and process-group

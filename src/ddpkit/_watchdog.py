@@ -40,6 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit._compat import override
 from ddpkit._failures import FAILURE_DIR_VARIABLE, write_hang_record
 from ddpkit._hang_report import RankState, analyse, full_report, summary
 from ddpkit._orphans import children_die_with_this_process
@@ -163,6 +164,7 @@ class Watchdog(threading.Thread):
         if self is not threading.current_thread():
             self.join(timeout=2 * self.tick + 1)
 
+    @override
     def run(self) -> None:
         try:
             if not self._attach():

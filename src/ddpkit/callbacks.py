@@ -1,4 +1,4 @@
-"""Training-loop callbacks (layer 6): ``Callback``, ``CallbacksHandler``, ``DistributedSamplerSetEpoch``."""
+"""Training-loop callbacks: ``Callback``, ``CallbacksHandler``, aitoolbox's ``DistributedSamplerSetEpoch``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DistributedSampler
 
+from ddpkit._compat import override
 from ddpkit.samplers import epoch_seed
 
 __all__ = ["Callback", "CallbacksHandler", "DistributedSamplerSetEpoch", "Event"]
@@ -68,7 +69,7 @@ class CallbacksHandler:
 class DistributedSamplerSetEpoch(Callback):
     """Keep the distributed samplers' epochs right: ``set_epoch(train_loop.epoch)`` at each epoch start.
 
-    Name and arguments from aitoolbox (seed 000's ``add_distributed_samplers``
+    Name and arguments from aitoolbox (its ``DDPHandler.add_distributed_samplers``
     registers it). ddpkit's samplers advance by themselves too, but an explicit
     epoch also makes a resumed run reproduce the epoch it stopped in.
 
@@ -93,6 +94,7 @@ class DistributedSamplerSetEpoch(Callback):
         self.generators = list(generators)
         self.seed = seed
 
+    @override
     def on_epoch_begin(self, train_loop: Any) -> None:
         for sampler in self.samplers:
             sampler.set_epoch(train_loop.epoch)

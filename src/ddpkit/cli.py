@@ -1,4 +1,4 @@
-"""The ``ddpkit`` command (layer 7): ``run``, ``env`` and ``demo``."""
+"""The ``ddpkit`` command: ``run``, ``doctor``, ``env`` and ``demo``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pickle-free encoding of nested Python data into one byte buffer (layer 3).
+"""Pickle-free encoding of nested Python data into one byte buffer.
 
 What travels: ``None``, ``bool``, ``int`` (any size), ``float`` (exactly, NaN and
 infinities included), ``str`` (any script), ``bytes``, ``bytearray``, ``list``,

@@ -1,4 +1,4 @@
-"""Register DDP communication hooks by object or by name, checked up front (layer 5; seed 003).
+"""Register DDP communication hooks by object or by name, checked up front (Lightning's ``register_ddp_comm_hook``).
 
 Built on ``torch.distributed.algorithms.ddp_comm_hooks``. What ddpkit adds:
 names (``"fp16"``, ``"powersgd"``, ...) with sensible default states, and checks
@@ -74,7 +74,7 @@ def register_ddp_comm_hook(
     *,
     state: object | None = None,
 ) -> None:
-    """Register a communication hook on a DDP model (seed 003); every rank must call it, alike.
+    """Register a communication hook on a DDP model (Lightning's function); every rank must call it, alike.
 
     Args:
         model: the ``DistributedDataParallel`` model.

@@ -81,7 +81,7 @@ def init_dist_connection(
     hang_timeout: float | None = None,
     **kwargs: Any,
 ) -> None:
-    """Initialise the default process group from a cluster environment (seed 003).
+    """Initialise the default process group from a cluster environment (Lightning's ``init_dist_connection``).
 
     Sets ``MASTER_ADDR`` and ``MASTER_PORT`` from the environment, then calls
     :func:`torch.distributed.init_process_group`. Every rank of the job must call

@@ -1,4 +1,4 @@
-"""``DDPHandler``: the DDP part of a train loop (layer 6; seed 000, aitoolbox)."""
+"""``DDPHandler``: the DDP part of a train loop (aitoolbox's ``DDPHandler``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ LOADER_ATTRIBUTES = (("train_loader", False), ("validation_loader", True), ("tes
 
 
 class DDPHandler:
-    """Distributed Data Parallel process handler for the TrainLoop (seed 000).
+    """Distributed Data Parallel process handler for the TrainLoop (aitoolbox's ``DDPHandler``).
 
     Args:
         train_loop_obj: the encapsulating train loop; it has ``train_loader``,
@@ -35,7 +35,7 @@ class DDPHandler:
         self.callback: DistributedSamplerSetEpoch | None = None
 
     def add_distributed_samplers(self, world_size: int, rank: int) -> None:
-        """Shard the train loop's loaders for DDP and keep their epochs right (seed 000).
+        """Shard the train loop's loaders for DDP and keep their epochs right (aitoolbox's method).
 
         Unlike aitoolbox (which printed a warning for anything but the stock
         samplers), custom samplers and batch samplers are sharded too, and every
@@ -89,9 +89,9 @@ class DDPHandler:
         concat_mp_data: bool = True,
         return_tensor: bool = True,
     ) -> Any:
-        """Multiprocess data sync (seed 000): :func:`ddpkit.mp_sync`; a tensor's device is preserved."""
+        """Multiprocess data sync (aitoolbox's): :func:`ddpkit.mp_sync`; a tensor's device is preserved."""
         return mp_sync(data, double_precision, concat_mp_data, return_tensor)
 
     def mp_sync_dict(self, dict_data: dict[Any, Any]) -> dict[Any, Any]:
-        """Multiprocess sync of a dict (seed 000): :func:`ddpkit.mp_sync_dict`, one exchange for all keys."""
+        """Multiprocess sync of a dict (aitoolbox's): :func:`ddpkit.mp_sync_dict`, one exchange for all keys."""
         return mp_sync_dict(dict_data)

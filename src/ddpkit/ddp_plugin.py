@@ -1,4 +1,4 @@
-"""The model side of DDP: ``DDPPlugin`` (seed 002), ``move_data_to_device``, ``unwrap_model`` (layer 5).
+"""The model side of DDP: Lightning 1.x's ``DDPPlugin``, and ``unwrap_model``.
 
 ``DDPPlugin`` is what a training loop (ddpkit's ``TrainLoop`` or your own) calls
 to set up and drive ``torch.nn.parallel.DistributedDataParallel``. The seed is
@@ -34,7 +34,7 @@ __all__ = ["DDPPlugin", "unwrap_model"]
 
 
 class DDPPlugin:
-    """Links a DDP implementation to a training loop (seed 002: Lightning's ``DDPPlugin``).
+    """Links a DDP implementation to a training loop (Lightning 1.x's ``DDPPlugin``).
 
     All constructor arguments are forwarded to
     ``torch.nn.parallel.DistributedDataParallel`` (``find_unused_parameters``
@@ -55,13 +55,25 @@ class DDPPlugin:
 
         The default is ``DistributedDataParallel(model, device_ids=device_ids,
         find_unused_parameters=False, **kwargs)`` (Lightning wrapped a
-        ``LightningDistributedDataParallel``; plain DDP is used here). A process
-        group must exist.
+        ``LightningDistributedDataParallel``; plain DDP is used here). Every rank
+        calls it (DDP broadcasts rank 0's parameters and buffers).
 
         Args:
             model: the module (on its device already).
             device_ids: ``[local_rank]`` for a model on one GPU; ``None`` on CPU.
+
+        Returns:
+            The wrapped model.
+
+        Raises:
+            ValueError: no process group (``DistributedDataParallel`` needs one; the
+                message says how to create it).
         """
+        if not is_distributed():
+            raise ValueError(
+                "configure_ddp wraps the model in DistributedDataParallel, which needs a process group: call "
+                "ddpkit.init_dist_connection() first (or run under ddpkit.launch / `ddpkit run`)"
+            )
         self._ddp_kwargs["find_unused_parameters"] = self._ddp_kwargs.get("find_unused_parameters", False)
         self.device_ids = device_ids
         return DistributedDataParallel(model, device_ids=device_ids, **self._ddp_kwargs)
@@ -81,7 +93,20 @@ class DDPPlugin:
         chosen automatically when ``trainer`` has no ``on_gpu`` (or is ``None``).
         ``is_slurm_managing_tasks`` is accepted for Lightning 1.x's signature; the
         cluster environment (Lightning 1.x's with ``master_address()`` or 2.x's
-        with ``main_address``) already says where the process sits.
+        with ``main_address``) already says where the process sits. Every rank
+        calls it.
+
+        Args:
+            trainer: anything with ``on_gpu`` (or ``None``).
+            cluster_environment: ddpkit's, Lightning's, or any object with their methods.
+            global_rank: this process's rank in ``[0, world_size)``.
+            world_size: the number of processes.
+            is_slurm_managing_tasks: accepted and unused.
+
+        Raises:
+            As :func:`~ddpkit.init_dist_connection`: ``ValueError`` for a bad rank
+            or backend, ``ClusterEnvironmentError`` for an address that does not
+            resolve, ``TypeError`` for something that is not a cluster environment.
         """
         address, port = main_address_and_port(cluster_environment)
         os.environ["MASTER_ADDR"] = address

@@ -1,4 +1,4 @@
-"""``ddpkit doctor``: does every rank reach every other, and how fast are all_reduce and all_gather? (layer 7)
+"""``ddpkit doctor``: does every rank reach every other, and how fast are all_reduce and all_gather?
 
 :func:`check_ranks` runs on every rank of a process group: each rank sends a
 message to every other rank (point to point, with a deadline) and reports whom

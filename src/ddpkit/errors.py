@@ -1,4 +1,4 @@
-"""Exceptions and warnings raised by ddpkit (layer 0: imports nothing from ddpkit).
+"""Exceptions and warnings raised by ddpkit (this module imports nothing from ddpkit but ``_compat``).
 
 Every ddpkit error derives from :class:`DDPKitError`, itself a ``RuntimeError``,
 so ``except RuntimeError`` written for ``torch.distributed`` keeps working.
@@ -16,6 +16,8 @@ __all__ = [
     "WarningDDP",
     "WorkerFailedError",
 ]
+
+from ddpkit._compat import override
 
 
 class DDPKitError(RuntimeError):
@@ -117,6 +119,7 @@ class HangError(WorkerFailedError):
         self.failures = dict(failures) if failures is not None else {rank: self.error}
         DDPKitError.__init__(self, report)
 
+    @override
     def __reduce__(  # type: ignore[override]
         self,
     ) -> tuple[type[HangError], tuple[str, list[int], str | None, int, dict[int, str], list[int]]]:
@@ -136,7 +139,7 @@ class RendezvousFailedError(DDPKitError):
 
 
 class WarningDDP(UserWarning):
-    """A DDP helper was used without a process group and left its input unchanged (seed 001).
+    """A DDP helper was used without a process group and left its input unchanged (OML's ``WarningDDP``).
 
     As OML's ``oml.ddp.utils.WarningDDP``, it is built from the function's name:
     ``warnings.warn("sync_dicts_ddp", WarningDDP)`` explains what happened.
@@ -152,5 +155,6 @@ class WarningDDP(UserWarning):
             "this function without DDP"
         )
 
+    @override
     def __str__(self) -> str:
         return self.message

@@ -1,4 +1,4 @@
-"""Rebuild DataLoaders for DDP without losing anything (layer 4; seeds 000, 001, 004).
+"""Rebuild DataLoaders for DDP without losing anything (OML's and aitoolbox's loader functions).
 
 Peers rebuild a loader from a handful of fields and silently drop the rest
 (aitoolbox keeps 9 and loses ``persistent_workers``, ``prefetch_factor``,
@@ -43,7 +43,7 @@ _DATA_RELATED = ("sampler", "batch_sampler", "drop_last", "shuffle", "batch_size
 
 
 def extract_loader_parameters(loader: DataLoader[Any], ignore_data_related_parameters: bool = False) -> dict[str, Any]:
-    """The ``DataLoader.__init__`` arguments ``loader`` holds (seed 004, OML).
+    """The ``DataLoader.__init__`` arguments ``loader`` holds (OML's ``extract_loader_parameters``).
 
     Every parameter of ``DataLoader.__init__`` that the loader keeps as an
     attribute is returned (``num_workers``, ``collate_fn``, ``pin_memory``,
@@ -68,7 +68,7 @@ def extract_loader_parameters(loader: DataLoader[Any], ignore_data_related_param
 
 
 def patch_dataloader_to_ddp(loader: DataLoader[Any]) -> DataLoader[Any]:
-    """The same loader, its sampler or batch sampler sharded for DDP (seeds 001, 004, OML).
+    """The same loader, its sampler or batch sampler sharded for DDP (OML's ``patch_dataloader_to_ddp``).
 
     As in OML: a loader whose batch sampler is exactly ``BatchSampler`` (the
     default) gets its *sampler* wrapped in :class:`~ddpkit.DDPSamplerWrapper` and
@@ -117,7 +117,7 @@ def distributed_sampler_of(loader: DataLoader[Any]) -> DistributedSampler[Any] |
 
 
 def check_loaders_is_patched(loaders: DataLoader[Any] | Sequence[DataLoader[Any]]) -> bool:
-    """Whether every loader's sampler or batch sampler is sharded for DDP (seed 004, OML).
+    """Whether every loader's sampler or batch sampler is sharded for DDP (OML's ``check_loaders_is_patched``).
 
     True for :class:`~ddpkit.DistributedSamplerWrapper` (so also
     :class:`~ddpkit.DDPSamplerWrapper`) and ``torch.utils.data.DistributedSampler``.
@@ -134,7 +134,7 @@ def build_loader_sampler(
     *,
     even_shards: bool = True,
 ) -> tuple[DataLoader[Any], DistributedSamplerWrapper]:
-    """Replicate a single-process loader with a distributed sampler added (seed 000, aitoolbox's ``DDPHandler``).
+    """Replicate a single-process loader with a distributed sampler added (aitoolbox's ``build_loader_sampler``).
 
     No process group is needed: ``world_size`` and ``rank`` are explicit. A
     loader with the default ``SequentialSampler``/``RandomSampler`` gets what

@@ -1,7 +1,7 @@
-"""Metric learning across ranks: a triplet loss with every rank's negatives, and precision@1 (layer 5).
+"""Metric learning across ranks: a triplet loss with every rank's negatives, and precision@1.
 
 Used by the retrieval demo (``ddpkit demo --task retrieval``) and the Lightning
-integration (seeds 001 and 004 are OML, a metric-learning library).
+integration (after OML, a metric-learning library).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``gather_in_order``: the inverse of sharding, for evaluation metrics identical to one process (layer 4)."""
+"""``gather_in_order``: the inverse of sharding, for evaluation metrics identical to one process."""
 
 from __future__ import annotations
 

@@ -87,7 +87,14 @@ def get_local_rank() -> int:
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
-    """Wait until every rank of ``group`` reaches this call; returns at once without a process group."""
+    """Wait until every rank of ``group`` reaches this call (every rank of it must call it).
+
+    Returns at once without a process group. On NCCL the barrier runs on this
+    rank's current CUDA device.
+
+    Args:
+        group: the process group; default the whole world.
+    """
     if not is_distributed():
         return
     if dist.get_backend(group) == "nccl":

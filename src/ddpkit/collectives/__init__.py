@@ -1,4 +1,4 @@
-"""Collectives that never hang and never lie (layer 3).
+"""Collectives that never hang and never lie.
 
 Every gather first exchanges a small metadata record and validates it on every
 rank: incompatible inputs raise :class:`~ddpkit.CollectiveMismatchError` on

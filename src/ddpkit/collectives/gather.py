@@ -1,4 +1,4 @@
-"""Gather tensors whose shapes may differ between ranks, with or without gradients (seed 003)."""
+"""Gather tensors whose shapes may differ between ranks, with or without gradients (Lightning's and torchmetrics')."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit._compat import override
 from ddpkit.codec import dtype_name
 from ddpkit.collectives.transport import GroupInfo, Header, error_header, exchange
 from ddpkit.errors import CollectiveMismatchError
@@ -21,7 +22,7 @@ def describe_tensor(header: Header) -> str:
 
 
 def gather_all_tensors(result: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-    """Gather ``result`` from every rank of ``group`` onto every rank (seed 003); every rank must call it.
+    """Gather ``result`` from every rank onto every rank (Lightning's and torchmetrics' function); every rank calls it.
 
     Any dimension may differ between ranks; the number of dimensions and the
     dtype may not. Empty and 0-d tensors work. Only each rank's real elements
@@ -85,7 +86,7 @@ def _gather(result: Any, group: dist.ProcessGroup | None, what: str, same_shape:
 
 
 class AllGatherGrad(torch.autograd.Function):
-    """All-gather that gradients flow through (seed 003).
+    """All-gather that gradients flow through (Lightning's ``AllGatherGrad``).
 
     Forward: this rank's ``tensor`` (same shape and dtype on every rank) ->
     ``(world_size, *tensor.shape)``, row ``r`` from rank ``r``. Backward: the
@@ -97,11 +98,13 @@ class AllGatherGrad(torch.autograd.Function):
     the backward pass.
     """
 
+    @override
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         ctx.group = group
         return torch.stack(_gather(tensor, group, "AllGatherGrad", same_shape=True))
 
+    @override
     @staticmethod
     def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad_output[0].contiguous()

@@ -1,4 +1,4 @@
-"""Reduce a tensor over ranks: ``sync_ddp`` and ``sync_ddp_if_available`` (seed 003).
+"""Reduce a tensor over ranks: Lightning's ``sync_ddp`` and ``sync_ddp_if_available``.
 
 Ranks that pass different shapes, dtypes or ops to a raw ``all_reduce`` get
 silent garbage on one rank and a hang on the other (measured on gloo). Every

@@ -1,4 +1,4 @@
-"""Sync data and dicts of results across ranks: aitoolbox's ``mp_sync`` (seed 000), OML's ``sync_dicts_ddp`` (001)."""
+"""Sync data and dicts across ranks: aitoolbox's ``mp_sync`` and ``mp_sync_dict``, OML's ``sync_dicts_ddp``."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def mp_sync(
 
 
 def mp_sync_dict(dict_data: dict[Any, Any], group: dist.ProcessGroup | None = None) -> dict[Any, Any]:
-    """:func:`mp_sync` of every value of ``dict_data``, in one exchange (seed 000).
+    """:func:`mp_sync` of every value of ``dict_data``, in one exchange (aitoolbox's ``mp_sync_dict``).
 
     Every rank must call it with the same keys. Defaults as :func:`mp_sync`:
     values concatenated over ranks, returned as tensors (lists of strings as lists).
@@ -91,7 +91,7 @@ def mp_sync_dict(dict_data: dict[Any, Any], group: dist.ProcessGroup | None = No
 
 
 def merge_list_of_dicts(list_of_dicts: Sequence[dict[str, Any]], device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Merge dicts key by key (seed 001, OML): lists and tuples chained, tensors and arrays concatenated.
+    """Merge dicts key by key (OML's ``merge_list_of_dicts``): lists and tuples chained, tensors and arrays joined.
 
     Args:
         list_of_dicts: dicts with the same keys, each key's values of the same type.

@@ -1,4 +1,4 @@
-"""Move one small header and one byte payload per rank, without hangs (layer 3, private).
+"""Move one small header and one byte payload per rank, without hangs (private).
 
 Every gather in ddpkit goes through :func:`exchange`:
 

@@ -70,7 +70,7 @@ class ClusterEnvironment(ABC):
     Subclasses parse a ``Mapping[str, str]`` (``os.environ`` by default) once, at
     construction, into a frozen :class:`ClusterSettings`; the getters only read it
     and never write ``os.environ``. Methods ``master_address()``, ``master_port()``
-    and ``world_size()`` are the ones seed 002 calls (Lightning's
+    and ``world_size()`` are the ones Lightning 1.x's ``DDPPlugin`` calls (its
     ``cluster_environment``).
 
     Args:

@@ -1,1 +1,1 @@
-"""Bundled examples on real data (layer 7): ``ddpkit demo`` and the digits data set."""
+"""Bundled examples on real data: ``ddpkit demo`` and the digits data set."""

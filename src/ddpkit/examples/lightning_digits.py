@@ -1,4 +1,4 @@
-"""Lightning on the digits with DDP on CPU processes: ``ExtractorModuleDDP`` and ``PairwiseModuleDDP`` (seed 001).
+"""Lightning on the digits with DDP on CPU processes: OML's ``ExtractorModuleDDP`` and ``PairwiseModuleDDP``.
 
 Needs ``pip install 'ddpkit[lightning]'``. Run with 2 CPU processes::
 

@@ -1,4 +1,4 @@
-"""``ddpkit demo --task retrieval``: metric learning on the digits, in the style of OML (seeds 001 and 004).
+"""``ddpkit demo --task retrieval``: metric learning on the digits, in the style of OML (open-metric-learning).
 
 A class-balanced P x K batch sampler (P classes, K samples of each per batch)
 is sharded whole batches at a time by :class:`~ddpkit.DistributedSamplerWrapper`

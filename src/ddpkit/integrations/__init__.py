@@ -1,1 +1,1 @@
-"""Optional integrations with other libraries (layer 7); each imports its library only inside its own module."""
+"""Optional integrations with other libraries; each imports its library only inside its own module."""

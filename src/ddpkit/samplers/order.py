@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
+from ddpkit._compat import override
 from ddpkit.collectives.agreement import all_equal, signature_terms
 from ddpkit.errors import CollectiveMismatchError
 from ddpkit.process_group import collective_device, get_world_size, is_distributed
@@ -91,18 +92,22 @@ class DrawnOrder(Order):
         self.seeding = seeding
         self.batched = bool(drawn) and isinstance(drawn[0], (list, tuple))
 
+    @override
     def __len__(self) -> int:
         return len(self.drawn)
 
+    @override
     def batch_sizes(self) -> torch.Tensor | None:
         if not self.batched:
             return None
         return torch.tensor([len(batch) for batch in self.drawn], dtype=torch.int64)
 
+    @override
     def select(self, indices: torch.Tensor) -> list[Any]:
         drawn = self.drawn
         return [drawn[i] for i in indices.tolist()]
 
+    @override
     def checksum(self) -> int:
         flat = itertools.chain.from_iterable(self.drawn) if self.batched else self.drawn
         try:
@@ -128,9 +133,11 @@ class IndexOrder(Order):
         else:
             self.count = len(indices) // batch_size if drop_last else -(-len(indices) // batch_size)
 
+    @override
     def __len__(self) -> int:
         return self.count
 
+    @override
     def batch_sizes(self) -> torch.Tensor | None:
         if self.batch_size is None:
             return None
@@ -139,9 +146,11 @@ class IndexOrder(Order):
             sizes[-1] = len(self.indices) - (self.count - 1) * self.batch_size
         return sizes
 
+    @override
     def checksum(self) -> int:
         return zlib.crc32(self.indices.numpy().tobytes(), self.batch_size or 0)
 
+    @override
     def select(self, indices: torch.Tensor) -> list[Any]:
         if self.batch_size is None:
             return list(self.indices[indices].tolist())

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from ddpkit._compat import override
 from ddpkit.process_group import collective_device, get_rank, get_world_size, is_distributed
 from ddpkit.samplers.layout import EpochLayout, Tail, tail_of
 from ddpkit.samplers.order import Order, check_same_order, draw_order, epoch_seed, forward_epoch
@@ -112,6 +113,7 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
 
     # --- epochs ---------------------------------------------------------------------------------
 
+    @override
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (instead of advancing by one); the wrapped sampler's
         ``set_epoch(epoch)`` is called too, if it has one."""
@@ -178,6 +180,7 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
     def total_size(self, value: int) -> None:
         pass
 
+    @override
     def __len__(self) -> int:
         return max(0, self.num_samples - self._start)
 
@@ -192,6 +195,7 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
 
     # --- iterating --------------------------------------------------------------------------------
 
+    @override
     def __iter__(self) -> Iterator[Any]:
         epoch = self._next_epoch()
         forward_epoch(self.sampler, epoch)
@@ -269,11 +273,13 @@ class DDPSamplerWrapper(DistributedSamplerWrapper):
         self.set_epoch(self.seed_shift_per_epoch)
         self.seed_shift_per_epoch += 1
 
+    @override
     def __iter__(self) -> Iterator[Any]:
         if not self._epoch_given:
             self._reload()
         return super().__iter__()
 
+    @override
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "seed", "base_seed"}`` (``base_seed`` once the first epoch has drawn it)."""
         state = super().state_dict()
@@ -281,6 +287,7 @@ class DDPSamplerWrapper(DistributedSamplerWrapper):
             state["base_seed"] = self.base_seed
         return state
 
+    @override
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume from :meth:`state_dict`: the epoch, and the base seed of the run it came from."""
         if "base_seed" in state:
@@ -288,6 +295,7 @@ class DDPSamplerWrapper(DistributedSamplerWrapper):
         super().load_state_dict(state)
         self.seed_shift_per_epoch = self.epoch + 1  # the epoch after the resumed one
 
+    @override
     def _base_seed(self) -> int:
         """Drawn from torch's global generator at the first epoch; rank 0's, on every rank."""
         if self.base_seed is None:

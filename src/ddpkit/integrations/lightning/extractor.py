@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit._compat import override
 from ddpkit.integrations.lightning.module_ddp import Loaders
 from ddpkit.integrations.lightning.retrieval import OMLOptions, RetrievalValidation, check_oml_order
 from ddpkit.metric_learning import precision_at_1, triplet_loss
@@ -86,25 +87,30 @@ class ExtractorModuleDDP(RetrievalValidation):
         self.extractor = extractor
         self.criterion: Criterion = criterion if criterion is not None else _default_triplet_loss
 
+    @override
     @property
     def model(self) -> nn.Module:
         """The extractor (OML's attribute name)."""
         return self.extractor
 
+    @override
     def embed(self, inputs: torch.Tensor) -> torch.Tensor:
         extract = getattr(self.extractor, "extract", None)
         return extract(inputs) if callable(extract) else self.extractor(inputs)  # type: ignore[no-any-return]
 
+    @override
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """``(B, ...)`` inputs -> ``(B, D)`` embeddings."""
         return self.extractor(inputs)  # type: ignore[no-any-return]
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, labels = self.unpack(batch)
         loss = self.criterion(self.extractor(inputs), labels)
         self.log("train_loss", loss.detach(), on_step=False, on_epoch=True, sync_dist=True, batch_size=len(labels))
         return loss
 
+    @override
     def split_metrics(self, embeddings: torch.Tensor, labels: torch.Tensor, *inputs: torch.Tensor) -> dict[str, float]:
         return {"precision_at_1": precision_at_1(embeddings, labels)}
 

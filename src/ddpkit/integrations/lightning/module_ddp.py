@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
+from ddpkit._compat import override
 from ddpkit.loaders import patch_dataloader_to_ddp
 from ddpkit.process_group import is_distributed
 
@@ -17,7 +18,7 @@ Loaders = DataLoader[Any] | Sequence[DataLoader[Any]]
 
 
 class ModuleDDP(pl.LightningModule):
-    """A ``LightningModule`` that holds its loaders and shards them for DDP (seed 001, OML).
+    """A ``LightningModule`` that holds its loaders and shards them for DDP (OML's ``ModuleDDP``).
 
     ``train_dataloader`` and ``val_dataloader`` return the given loader, or
     list of loaders, each patched with :func:`~ddpkit.patch_dataloader_to_ddp`:
@@ -52,6 +53,7 @@ class ModuleDDP(pl.LightningModule):
         self.patched_train_loaders: list[DataLoader[Any]] = []
         self.patched_val_loaders: list[DataLoader[Any]] = []
 
+    @override
     def train_dataloader(self) -> Any:
         """``loaders_train``, patched for DDP (called by the ``Trainer``)."""
         if self.loaders_train is None:
@@ -64,6 +66,7 @@ class ModuleDDP(pl.LightningModule):
             self.patched_train_loaders[0] if isinstance(self.loaders_train, DataLoader) else self.patched_train_loaders
         )
 
+    @override
     def val_dataloader(self) -> Any:
         """``loaders_val``, patched for DDP (called by the ``Trainer``); no validation when ``None``."""
         if self.loaders_val is None:

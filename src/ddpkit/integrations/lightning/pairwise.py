@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit._compat import override
 from ddpkit.collectives import sync_ddp
 from ddpkit.integrations.lightning.module_ddp import Loaders
 from ddpkit.integrations.lightning.retrieval import OMLOptions, RetrievalValidation, check_oml_order
@@ -25,6 +26,7 @@ class PairwiseScorer(nn.Module):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(2 * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
+    @override
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         return self.mlp(torch.cat([(x1 - x2).abs(), x1 * x2], dim=-1)).squeeze(-1)  # type: ignore[no-any-return]
 
@@ -125,11 +127,13 @@ class PairwiseModuleDDP(RetrievalValidation):
         self.top_n = top_n
         self._collects_inputs = pairs_miner is not None  # OML's way scores inputs, so validation needs them
 
+    @override
     @property
     def model(self) -> nn.Module:
         """The pairwise model (OML's attribute name)."""
         return self.pairwise_model
 
+    @override
     def embed(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.extractor is None:
             return inputs
@@ -137,10 +141,12 @@ class PairwiseModuleDDP(RetrievalValidation):
         with torch.no_grad():
             return self.extractor(inputs)  # type: ignore[no-any-return]
 
+    @override
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         """The pairwise model's scores of ``(N, ...)`` and ``(N, ...)`` pairs: ``(N,)``."""
         return self.pairwise_model(x1, x2)  # type: ignore[no-any-return]
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, labels = self.unpack(batch)
         embeddings = self.batch_embeddings(batch, inputs)
@@ -173,6 +179,7 @@ class PairwiseModuleDDP(RetrievalValidation):
             return -self.pairwise_model(x1=x1, x2=x2)  # type: ignore[no-any-return]
         return self.pairwise_model(x1, x2)  # type: ignore[no-any-return]
 
+    @override
     def split_metrics(self, embeddings: torch.Tensor, labels: torch.Tensor, *inputs: torch.Tensor) -> dict[str, float]:
         if len(labels) < 2:
             raise ValueError(f"{len(labels)} validation sample(s): retrieval needs at least 2")

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit._compat import override
 from ddpkit.integrations.lightning.module_ddp import Loaders, ModuleDDP
 from ddpkit.ordered import gather_in_order
 from ddpkit.process_group import is_distributed
@@ -55,6 +56,7 @@ class RetrievalValidation(ModuleDDP):
         self.validation_metrics: dict[str, float] = {}
         self._collected: dict[int, list[tuple[torch.Tensor, ...]]] = {}
 
+    @override
     def configure_optimizers(self) -> Any:
         """The optimizer and, as OML configures it, its scheduler (``interval``, ``frequency``, ``monitor``)."""
         if self.scheduler is None:
@@ -68,6 +70,7 @@ class RetrievalValidation(ModuleDDP):
             config["monitor"] = self.monitor_metric
         return [self.optimizer], [config]
 
+    @override
     def on_train_epoch_start(self) -> None:
         """OML's freezing: the model is frozen for the first ``freeze_n_epochs`` epochs, then unfrozen."""
         if self.freeze_n_epochs:
@@ -107,9 +110,11 @@ class RetrievalValidation(ModuleDDP):
             return batch[self.embeddings_key]  # type: ignore[no-any-return]
         return self.embed(inputs)
 
+    @override
     def on_validation_epoch_start(self) -> None:
         self._collected = {}
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         """Collects the batch's embeddings and labels; returns OML's output, ``{**batch, embeddings_key: ...}``
         for a dict batch (what OML's metric callbacks read), else ``None``."""
@@ -120,6 +125,7 @@ class RetrievalValidation(ModuleDDP):
         self._collected.setdefault(dataloader_idx, []).append(collected)
         return {**batch, self.embeddings_key: embeddings} if isinstance(batch, Mapping) else None
 
+    @override
     def on_validation_epoch_end(self) -> None:
         collected, self._collected = self._collected, {}
         if self.trainer.sanity_checking:  # a few batches only: not the split, so no metric
