@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.cli import main
-from tests.conftest import alive
+from tests.helpers import alive
 
 # A plain torchrun-style script, as a user would write it: no ddpkit inside.
 SCRIPT = textwrap.dedent(

@@ -22,7 +22,7 @@ from ddpkit import Callback, TrainLoop
 from ddpkit.examples.demo import DemoConfig, train_digits, weights_digest
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.testing import run_parallel
-from tests.conftest import alive
+from tests.helpers import alive
 
 pytestmark = pytest.mark.e2e
 

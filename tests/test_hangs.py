@@ -25,7 +25,7 @@ import ddpkit
 from ddpkit import HangError, TrainLoop, WorkerFailedError
 from ddpkit.examples.demo import build_model
 from ddpkit.examples.digits import digits_datasets
-from tests.conftest import alive
+from tests.helpers import alive
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ddpkit import RendezvousFailedError, WorkerFailedError, launch
 from ddpkit._worker import limit_threads
-from tests.conftest import alive
+from tests.helpers import alive
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
 

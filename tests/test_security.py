@@ -21,7 +21,7 @@ from ddpkit import PortTakenError, all_gather_object, destroy_dist_connection, i
 from ddpkit._stores import release_loopback_store, serve_on_loopback
 from ddpkit.environments import LocalEnvironment
 from ddpkit.testing import run_parallel
-from tests.conftest import listening_sockets, refused
+from tests.helpers import listening_sockets, refused
 
 # 127.0.0.2 is another address of this machine's loopback interface: a socket bound to every
 # interface answers there, one bound to 127.0.0.1 does not. Nothing here leaves the machine.

@@ -71,7 +71,7 @@ from ddpkit.process_group import (
 from ddpkit.samplers import DDPSamplerWrapper, DistributedSamplerWrapper
 from ddpkit.train_loop import TrainLoop
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AllGatherGrad",
