@@ -393,3 +393,85 @@ def test_a_deterministic_sampler_draws_no_base_seed() -> None:
     assert list(wrapper) == [[0, 1], [2, 3], [4]]
     assert wrapper.base_seed is None
     assert torch.equal(torch.rand(1), expected)
+
+
+# --- an epoch resumed part-way on another number of ranks ---------------------------------------
+
+resizes = st.fixed_dictionaries(
+    {
+        "n": st.integers(1, 60),
+        "kind": st.sampled_from(["sequential", "random", "seeded", "custom", "global", "pk"]),
+        "batch": st.none() | st.integers(1, 5),
+        "shuffle": st.booleans(),
+        "seed": st.integers(0, 1000),
+        "worlds": st.sampled_from([(3, 2), (2, 3)]),
+        "done": st.integers(0, 25),
+        "tail": st.sampled_from(["uneven", "pad"]),
+        "oml": st.booleans(),
+    }
+)
+
+
+def _resizable(case: dict[str, Any], world_size: int, rank: int) -> DistributedSamplerWrapper:
+    """A wrapper of the case's sampler on ``rank`` of ``world_size``."""
+    n = case["n"]
+    if case["kind"] == "pk":  # P x K batches drawn from np.random, as OML's BalanceSampler
+        sampler: Any = BalanceSampler([i % 4 for i in range(max(n, 8))], 2, 2)
+    else:
+        sampler = base_sampler(case["kind"], n, case["batch"], False)
+    wrapper: DistributedSamplerWrapper
+    if case["oml"]:
+        wrapper = DDPSamplerWrapper(sampler, shuffle_samples_between_gpus=case["shuffle"])
+        wrapper.num_replicas, wrapper.rank = world_size, rank
+    else:
+        wrapper = DistributedSamplerWrapper(sampler, world_size, rank, case["shuffle"], case["seed"])
+    wrapper.even_shards = case["tail"] == "pad"
+    return wrapper
+
+
+@settings(max_examples=300, deadline=None)
+@given(resizes)
+def test_a_half_done_epoch_resumes_on_another_number_of_ranks_with_what_is_left(case: dict[str, Any]) -> None:
+    """W ranks did k entries each (position k * W of the epoch's global order); W' ranks go on from there.
+
+    For every kind of sampler and batch sampler, both wrappers and both tails:
+    with the uneven tail (elastic training) every entry of the epoch is used
+    exactly once over both parts; with padding, nothing is lost and the W'
+    ranks get equal shards.
+    """
+    before, after = case["worlds"]
+    first = [_resizable(case, before, rank) for rank in range(before)]
+    shards = []
+    for wrapper in first:
+        torch.manual_seed(case["seed"])  # every rank's process seeded alike (OML's wrapper draws its base seed)
+        shards.append(list(wrapper))
+    done = min(case["done"], *map(len, shards))  # the ranks step together
+    state = {**first[0].state_dict(), "position": done * before}
+    second = [_resizable(case, after, rank) for rank in range(after)]
+    for wrapper in second:
+        wrapper.load_state_dict(state)
+    lengths = [len(wrapper) for wrapper in second]
+    rest = [list(wrapper) for wrapper in second]
+    assert [len(part) for part in rest] == lengths, "__len__ is what is left"
+    whole = _resizable(case, 1, 0)
+    whole.load_state_dict(first[0].state_dict())
+    whole.even_shards = False
+    epoch = Counter(map(repr, whole))
+    used = Counter(map(repr, [e for shard in shards for e in shard[:done]] + [e for part in rest for e in part]))
+    if case["tail"] == "uneven":
+        assert used == epoch, "every entry exactly once"
+        assert max(map(len, rest)) - min(map(len, rest)) <= 1
+    else:
+        assert all(used[key] >= count for key, count in epoch.items()), "nothing lost"
+        assert len({len(part) for part in rest}) == 1
+        assert sum(map(len, rest)) - max(0, sum(epoch.values()) - done * before) < after, "fewer pads than ranks"
+
+
+def test_a_position_counts_entries_of_all_ranks_together() -> None:
+    """Position p of the global order goes to rank p % W (from where the epoch resumed)."""
+    ranks = [DistributedSamplerWrapper(SequentialSampler(range(10)), 3, rank, even_shards=False) for rank in range(3)]
+    for wrapper in ranks:
+        wrapper.set_position(4)
+    assert [list(wrapper) for wrapper in ranks] == [[4, 7], [5, 8], [6, 9]]
+    with pytest.raises(ValueError, match="position=-1 must be >= 0"):
+        ranks[0].set_position(-1)

@@ -204,7 +204,8 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path: Path
     stopped = run_parallel(_resumable_run, str(tmp_path / "b"), stop, timeout=60)
     assert stopped[0][2].startswith("stopped")
     checkpoint = load_checkpoint(tmp_path / "b" / CHECKPOINT_FILE)
-    assert (checkpoint["epoch"], checkpoint["batch"]) == ((0, 10) if stop.step else (1, 0))
+    # The position counts entries of the epoch's global order: 10 batches of 32 on each of 2 ranks.
+    assert (checkpoint["epoch"], checkpoint["position"]) == ((0, 10 * 32 * 2) if stop.step else (1, 0))
     resumed = run_parallel(_resumable_run, str(tmp_path / "b"), None, timeout=60)
     for rank in (0, 1):
         weights, history, outcome = resumed[rank]

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,6 +42,8 @@ __all__ = [
     "agent_scope",
     "check_counts",
     "default_nprocs",
+    "node_range",
+    "rdzv_configs",
     "rendezvous",
     "rendezvous_store",
     "translated_failures",
@@ -65,23 +67,62 @@ def default_nprocs() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def check_counts(nprocs: int, nnodes: int, max_restarts: int) -> None:
+def check_counts(nprocs: int, max_restarts: int) -> None:
     """Raise ``ValueError`` naming the first count out of range."""
-    for name, value, low in (("nprocs", nprocs, 1), ("nnodes", nnodes, 1), ("max_restarts", max_restarts, 0)):
+    for name, value, low in (("nprocs", nprocs, 1), ("max_restarts", max_restarts, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
 
 
-def rendezvous(nnodes: int, rdzv_endpoint: str | None, run_id: str | None) -> tuple[str, str, str | None]:
+def node_range(nnodes: int | str) -> tuple[int, int]:
+    """``(min, max)`` nodes of ``nnodes``: ``N`` (or ``"N"``), or torchrun's elastic ``"MIN:MAX"``.
+
+    Raises:
+        ValueError: not of that form, ``MIN < 1`` or ``MAX < MIN``.
+    """
+    text = str(nnodes).strip() if not isinstance(nnodes, bool) else ""
+    low, colon, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high if colon else low))
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(
+            f"nnodes={nnodes!r} must be a number of nodes >= 1, or 'MIN:MAX' with 1 <= MIN <= MAX (an elastic job "
+            "that runs while at least MIN nodes are up, e.g. '1:4')"
+        )
+    return bounds
+
+
+def rdzv_configs(join_timeout: float | None, extra: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """torch's rendezvous settings: ``extra`` (a mapping, or torchrun's ``--rdzv-conf`` text
+    ``"KEY=VALUE,..."``), and ``join_timeout`` in whole seconds.
+
+    Raises:
+        ValueError: ``extra`` is text not of that form.
+    """
+    if isinstance(extra, str):
+        pairs = [item.partition("=") for item in extra.split(",") if item.strip()]
+        if any(not key.strip() or not sep for key, sep, _ in pairs):
+            raise ValueError(f"rdzv_conf={extra!r} must be KEY=VALUE[,KEY=VALUE...], e.g. 'last_call_timeout=5'")
+        extra = {key.strip(): value.strip() for key, _, value in pairs}
+    configs = dict(extra or {})
+    if join_timeout is not None:
+        configs["join_timeout"] = max(1, round(join_timeout))
+    return configs
+
+
+def rendezvous(nnodes: int | str, rdzv_endpoint: str | None, run_id: str | None) -> tuple[str, str, str | None]:
     """``(endpoint, run id, local address)`` for the c10d rendezvous.
 
     Raises:
         ValueError: several nodes without an endpoint.
         RendezvousFailedError: the endpoint's host does not resolve (naming it).
     """
-    if nnodes > 1 and not rdzv_endpoint:
+    several = node_range(nnodes)[1] > 1
+    if several and not rdzv_endpoint:
         raise ValueError(
-            f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT', the same on every node "
+            f"nnodes={nnodes!r} needs rdzv_endpoint='HOST:PORT', the same on every node "
             "(HOST is the machine that hosts the rendezvous, reachable from all nodes)"
         )
     # Port 0: the single agent binds a free port itself, with no window for a race.
@@ -92,7 +133,7 @@ def rendezvous(nnodes: int, rdzv_endpoint: str | None, run_id: str | None) -> tu
         check_resolves(host, f"the host of rdzv_endpoint={endpoint!r}")
     except ClusterEnvironmentError as exc:
         raise RendezvousFailedError(str(exc)) from None
-    return endpoint, run_id or ("ddpkit" if nnodes > 1 else uuid.uuid4().hex), local_addr
+    return endpoint, run_id or ("ddpkit" if several else uuid.uuid4().hex), local_addr
 
 
 @contextmanager
@@ -118,12 +159,13 @@ def agent_scope() -> Iterator[str]:
 
 
 @contextmanager
-def rendezvous_store(endpoint: str, nnodes: int) -> Iterator[str]:
+def rendezvous_store(endpoint: str, nnodes: int | str) -> Iterator[str]:
     """Host the rendezvous store on the loopback address when the endpoint is loopback; yield the
     endpoint with its real port (a free one for port 0). With several nodes, another agent on this
     machine may host it already."""
     host, _, port = endpoint.rpartition(":")
-    served = serve_on_loopback(host.strip("[]"), int(port), if_taken="peer" if nnodes > 1 else "raise")
+    several = node_range(nnodes)[1] > 1
+    served = serve_on_loopback(host.strip("[]"), int(port), if_taken="peer" if several else "raise")
     try:
         yield endpoint if served is None else f"{host}:{served}"
     finally:
@@ -131,7 +173,9 @@ def rendezvous_store(endpoint: str, nnodes: int) -> Iterator[str]:
 
 
 @contextmanager
-def translated_failures(failure_dir: str, endpoint: str, nnodes: int, join_timeout: float | None) -> Iterator[None]:
+def translated_failures(
+    failure_dir: str, endpoint: str, nnodes: int | str, join_timeout: float | None
+) -> Iterator[None]:
     """Turn the elastic agent's errors into ddpkit's (see the module docstring)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -146,7 +190,17 @@ def translated_failures(failure_dir: str, endpoint: str, nnodes: int, join_timeo
         raise _rendezvous_failed(err, endpoint, nnodes, join_timeout) from err
 
 
-def _rendezvous_failed(err: Exception, endpoint: str, nnodes: int, join_timeout: float | None) -> RendezvousFailedError:
+def _rendezvous_failed(
+    err: Exception, endpoint: str, nnodes: int | str, join_timeout: float | None
+) -> RendezvousFailedError:
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    if isinstance(err, RendezvousConnectionError):
+        return RendezvousFailedError(
+            f"this node cannot reach the rendezvous store at {endpoint}. If the job was running, the agent that "
+            "hosts the store has stopped (the first one started on the endpoint's host): a job survives losing any "
+            "node but that one, whatever its nnodes. Otherwise check that the endpoint is reachable from this node"
+        )
     waited = f"{join_timeout:g} s" if join_timeout is not None else "the join timeout (600 s by default)"
     detail = f" ({type(err).__name__}: {err})" if str(err) else f" ({type(err).__name__})"
     return RendezvousFailedError(

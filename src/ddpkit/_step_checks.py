@@ -1,4 +1,5 @@
-"""What TrainLoop checks at each step: a rank that skips DDP's all-reduce, and which rank is slowest."""
+"""What TrainLoop checks and says at each step: a rank that skips DDP's all-reduce, which rank is slowest, and
+the epoch's line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ddpkit._stacks import StackDumpOnSignal
 from ddpkit.errors import DDPKitError
 from ddpkit.process_group import get_rank, is_distributed
 
-__all__ = ["dump_worker_stacks_in_hang_reports", "skipped_model_error", "straggler_text"]
+__all__ = ["dump_worker_stacks_in_hang_reports", "epoch_line", "skipped_model_error", "straggler_text"]
 
 
 def skipped_model_error(loop: Any, index: int) -> DDPKitError:
@@ -32,6 +33,15 @@ def straggler_text(step_times: list[float]) -> str:
     """``load+forward 4.1-5.2 ms/batch (slowest rank 1)`` for the ranks' mean times per batch (ms)."""
     slowest = max(range(len(step_times)), key=step_times.__getitem__)
     return f"load+forward {min(step_times):.1f}-{max(step_times):.1f} ms/batch (slowest rank {slowest})"
+
+
+def epoch_line(epoch: int, num_epochs: int, loss: float, metrics: dict[str, float], step_times: list[float]) -> str:
+    """``epoch  2/10  train loss 0.1234  validation accuracy 0.9600  load+forward ...`` (``epoch`` 0-based)."""
+    parts = [f"epoch {epoch + 1:>2}/{num_epochs}", f"train loss {loss:.4f}"]
+    parts += [f"validation {name} {value:.4f}" for name, value in metrics.items()]
+    if len(step_times) > 1:
+        parts.append(straggler_text(step_times))
+    return "  ".join(parts)
 
 
 def dump_worker_stacks_in_hang_reports(loop: Any, original_loaders: dict[str, Any]) -> None:

@@ -50,11 +50,14 @@ def scheduler_environment() -> ClusterEnvironment | None:
 
     That is: :func:`~ddpkit.detect_environment` reports processes created
     externally (``srun``, ``mpirun``, torchrun, a Kubeflow or LSF job, or
-    ``RANK`` set by hand) and a world size above 1. :func:`~ddpkit.launch` and
-    :func:`~ddpkit.run_script` then run in this process instead of spawning.
+    ``RANK`` set by hand) and a world size above 1, or any world size under
+    torchrun (an elastic job may shrink to one rank, which must not start a
+    launcher of its own). :func:`~ddpkit.launch` and :func:`~ddpkit.run_script`
+    then run in this process instead of spawning.
     """
     env = detect_environment()
-    return env if env.creates_processes_externally and env.world_size() > 1 else None
+    started = env.creates_processes_externally and (env.world_size() > 1 or env.name == "torchelastic")
+    return env if started else None
 
 
 def run_as_rank(env: ClusterEnvironment, spec: WorkerSpec, args: tuple[Any, ...]) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import random
 import tempfile
@@ -29,6 +30,8 @@ from ddpkit._watchdog import paused
 from ddpkit.collectives import all_gather_object, sync_ddp
 from ddpkit.errors import DDPKitError
 from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINT_FILE", "TrainState", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
 
@@ -90,43 +93,48 @@ class TrainState:
         model: the model's ``state_dict()``.
         optimizer: the optimizer's ``state_dict()``.
         epoch: the epoch in progress (0-based); at an epoch's end, the next one.
-        batch: batches of ``epoch`` each rank has done (0 at an epoch's start).
+        position: entries of ``epoch``'s global order done (0 at an epoch's
+            start): items, or whole batches of a batch sampler, of all ranks
+            together, so that any number of ranks can go on from it.
         epoch_sums: ``(2,)`` float64: the epoch's loss sum and sample count so far, over all ranks.
         global_step: optimizer steps taken in all.
         seed: the base seed of the data order.
         world_size: the number of ranks that wrote it.
         rng: every rank's random state (:func:`rng_state`), by rank.
         history: the per-epoch numbers so far (``train_loss``, ``validation_*``).
+        batch: in checkpoints of ddpkit 0.1 (version 1), the position as batches
+            of ``epoch`` each rank had done; ``None`` since.
     """
 
-    #: The layout of the fields; a checkpoint of another version is refused.
-    VERSION: ClassVar[int] = 1
+    #: The layout of the fields; version 1 (ddpkit 0.1) is read too, others are refused.
+    VERSION: ClassVar[int] = 2
 
     model: dict[str, Any]
     optimizer: dict[str, Any]
     epoch: int
-    batch: int
+    position: int
     epoch_sums: torch.Tensor
     global_step: int
     seed: int
     world_size: int
     rng: list[dict[str, Any]]
     history: dict[str, list[float]] = field(default_factory=dict)
+    batch: int | None = None
 
     @classmethod
-    def capture(cls, loop: Any, batch: int) -> TrainState:
-        """The state of ``loop`` (a ``TrainLoop``) after ``batch`` batches of its current epoch.
+    def capture(cls, loop: Any, position: int) -> TrainState:
+        """The state of ``loop`` (a ``TrainLoop``) after ``position`` entries of its current epoch's global order.
 
         Every rank must call it: it gathers every rank's RNG state and sums the
         epoch's partial loss (two small collectives).
         """
         rngs = all_gather_object(rng_state())
-        epoch_sums = sync_ddp(loop._epoch_sums.clone()) if batch else torch.zeros(2, dtype=torch.float64)
+        epoch_sums = sync_ddp(loop._epoch_sums.clone()) if position else torch.zeros(2, dtype=torch.float64)
         return cls(
             model=loop.model.state_dict(),
             optimizer=loop.plugin.optimizer_state(loop.optimizer),
             epoch=loop.epoch,
-            batch=batch,
+            position=position,
             epoch_sums=epoch_sums,
             global_step=loop.global_step,
             seed=loop.seed,
@@ -135,24 +143,38 @@ class TrainState:
             history={name: list(values) for name, values in loop.history.items()},
         )
 
+    @classmethod
+    def resume(cls, loop: Any) -> None:
+        """Restore ``loop`` (a ``TrainLoop``) from the checkpoint in its ``checkpoint_dir``, if there is one
+        (every rank calls it)."""
+        if loop.checkpoint_dir is None or not (loop.checkpoint_dir / CHECKPOINT_FILE).exists():
+            return
+        cls.load(loop.checkpoint_dir / CHECKPOINT_FILE, map_location=loop.device).restore(loop)
+        log.info("resumed from %s: epoch %d, entry %d", loop.checkpoint_dir, loop.epoch, loop._resume_position)
+
     def restore(self, loop: Any) -> None:
         """Put ``loop`` (a ``TrainLoop``) where this state was: weights, optimizer, position, history, and this
-        rank's random state (every rank calls it).
+        rank's random state (every rank calls it; the loop is set up, its loaders sharded).
 
-        On another number of ranks than wrote it, the run goes on with a
-        ``RuntimeWarning``: the data order and random numbers then differ from
-        an uninterrupted run.
+        On another number of ranks than wrote it, the epoch goes on with exactly
+        the entries not done yet. With a ``global_batch_size`` the steps are
+        those of an uninterrupted run; without one, a step then holds another
+        number of items, which a ``RuntimeWarning`` says.
         """
         loop.model.load_state_dict(self.model)
         loop.optimizer.load_state_dict(self.optimizer)
-        loop.epoch, loop._resume_batch, loop.global_step = self.epoch, self.batch, self.global_step
+        position = self.position
+        if self.batch is not None:  # ddpkit 0.1: batches per rank
+            position = self.batch * self.world_size * loop._epochs.entries_per_batch
+        loop.epoch, loop._resume_position, loop.global_step = self.epoch, position, self.global_step
         loop.history = defaultdict(list, self.history)
-        first = get_rank() == 0 and self.batch > 0  # rank 0 carries the partial sums of all ranks
+        first = get_rank() == 0 and position > 0  # rank 0 carries the partial sums of all ranks
         loop._epoch_sums = self.epoch_sums.cpu() if first else torch.zeros(2, dtype=torch.float64)
-        if self.world_size != get_world_size():
+        if self.world_size != get_world_size() and loop.global_batch is None:
             warnings.warn(
-                f"resuming a checkpoint of {self.world_size} ranks on {get_world_size()}: the run continues, but the "
-                "data order and random numbers differ from an uninterrupted run",
+                f"resuming a checkpoint of {self.world_size} ranks on {get_world_size()}: each optimizer step now "
+                f"holds {get_world_size()}/{self.world_size} times the items it held, and random numbers differ "
+                "from an uninterrupted run. Give TrainLoop a global_batch_size to keep the steps on any world size",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -188,10 +210,12 @@ class TrainState:
         """
         state = load_checkpoint(path, map_location)
         version = state.pop("version", None)
-        if version != cls.VERSION:
+        if version == 1:
+            state["position"] = 0  # restore() takes it from "batch"
+        elif version != cls.VERSION:
             raise ValueError(
-                f"{path} is a checkpoint of version {version!r}; this ddpkit reads TrainLoop checkpoints of version "
-                f"{cls.VERSION}. Start from another checkpoint_dir, or resume with the ddpkit that wrote it"
+                f"{path} is a checkpoint of version {version!r}; this ddpkit reads TrainLoop checkpoints of versions "
+                f"1 to {cls.VERSION}. Start from another checkpoint_dir, or resume with the ddpkit that wrote it"
             )
         try:
             return cls(**state)

@@ -107,7 +107,12 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="processes per node (default: CUDA devices, or 1; doctor: 2)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument(
+        "--nnodes",
+        default="1",
+        metavar="N|MIN:MAX",
+        help="number of nodes (default 1); MIN:MAX for an elastic job that goes on while MIN nodes are up",
+    )
     parser.add_argument(
         "--node-rank", type=int, default=0, help="accepted as torchrun does; the rendezvous numbers the nodes"
     )
@@ -124,6 +129,12 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="seconds for all nodes to join the rendezvous (default 600; doctor: 60)",
+    )
+    parser.add_argument(
+        "--rdzv-conf",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="more rendezvous settings, as torchrun's (e.g. last_call_timeout=5,keep_alive_interval=2)",
     )
 
 
@@ -158,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
             module=args.module,
             join_timeout=args.join_timeout,
             timeout=args.timeout,
+            rdzv_conf=args.rdzv_conf,
         )
     except (WorkerFailedError, RendezvousFailedError, PortTakenError, ClusterEnvironmentError) as error:
         return _fail("run", error)
@@ -177,6 +189,7 @@ def _doctor(args: argparse.Namespace) -> int:
             rdzv_endpoint=args.rdzv_endpoint,
             run_id=args.rdzv_id,
             join_timeout=60.0 if args.join_timeout is None else args.join_timeout,
+            rdzv_conf=args.rdzv_conf,
             timeout=max(30.0, 3 * args.peer_timeout),
             peer_timeout=args.peer_timeout,
         )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from ddpkit._agent import (
@@ -36,6 +36,8 @@ from ddpkit._agent import (
     agent_scope,
     check_counts,
     default_nprocs,
+    node_range,
+    rdzv_configs,
     rendezvous,
     rendezvous_store,
     translated_failures,
@@ -65,7 +67,7 @@ def launch(
     fn: Callable[..., T],
     *args: Any,
     nprocs: int | None = None,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     max_restarts: int = 0,
     backend: str | None = None,
     rdzv_endpoint: str | None = None,
@@ -73,6 +75,7 @@ def launch(
     timeout: float | None = None,
     run_id: str | None = None,
     join_timeout: float | None = None,
+    rdzv_conf: Mapping[str, Any] | str | None = None,
     **kwargs: Any,
 ) -> dict[int, T]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` new processes per node, as one DDP job.
@@ -88,10 +91,16 @@ def launch(
             gets its own copy (tensors included: nothing is shared in memory).
         nprocs: workers per node; default the number of CUDA devices, or 1 without CUDA.
         nnodes: number of nodes; above 1, run ``launch`` on every node with the
-            same ``rdzv_endpoint`` and ``run_id``.
+            same ``rdzv_endpoint`` and ``run_id``. ``"MIN:MAX"`` (torchrun's
+            syntax) makes the job elastic: it starts with the nodes that join
+            (at least ``MIN``), goes on while at least ``MIN`` are up, and takes
+            in nodes that join later, up to ``MAX``; each change restarts the
+            workers with the new world size (see :class:`~ddpkit.TrainLoop`'s
+            ``global_batch_size`` for training that does not notice).
         max_restarts: how many times the agent restarts all workers after one
-            fails. Restarted workers start ``fn`` afresh; resume from a checkpoint
-            to keep the work done.
+            fails (a node lost counts as a failure; a node that joins does
+            not). Restarted workers start ``fn`` afresh; resume from a
+            checkpoint to keep the work done.
         backend: process-group backend; ``None`` chooses as ``init_dist_connection`` does.
         rdzv_endpoint: ``HOST:PORT`` of the rendezvous; default a free port on
             127.0.0.1 (single node only).
@@ -108,6 +117,12 @@ def launch(
             id (single node) or ``"ddpkit"`` (several nodes).
         join_timeout: seconds the nodes have to join the rendezvous (torch's
             default 600); the launch fails after that naming how many arrived.
+        rdzv_conf: more of torch's rendezvous settings, as a mapping or as
+            torchrun's ``--rdzv-conf`` text ``"KEY=VALUE,..."``, e.g. ``last_call_timeout`` (seconds an elastic job
+            waits for more nodes once ``MIN`` have joined; default 30) and
+            ``keep_alive_interval`` / ``keep_alive_max_attempt`` (a node is
+            counted lost after missing this many heartbeats this many seconds
+            apart; default 5 s x 3).
 
     Under a scheduler that already started this job's processes
     (:func:`scheduler_environment`: ``srun``, ``mpirun``, torchrun, ...) nothing
@@ -151,14 +166,16 @@ def launch(
         spec = WorkerSpec(fn, "", dict(kwargs), backend, timeout)
         return run_in_this_task(scheduler, spec, args, nprocs)
     nprocs = default_nprocs() if nprocs is None else nprocs
-    check_counts(nprocs, nnodes, max_restarts)
+    check_counts(nprocs, max_restarts)
+    min_nodes, max_nodes = node_range(nnodes)
+    configs = rdzv_configs(join_timeout, rdzv_conf)
     if start_method not in ("spawn", "fork", "forkserver"):
         raise ValueError(f"start_method={start_method!r} must be 'spawn', 'fork' or 'forkserver'")
     endpoint, rdzv_id, local_addr = rendezvous(nnodes, rdzv_endpoint, run_id)
     with agent_scope() as failure_dir, rendezvous_store(endpoint, nnodes) as endpoint:
         config = LaunchConfig(
-            min_nodes=nnodes,
-            max_nodes=nnodes,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
             nproc_per_node=nprocs,
             run_id=rdzv_id,
             rdzv_backend="c10d",
@@ -168,7 +185,7 @@ def launch(
             start_method=start_method,
             local_addr=local_addr,
             shutdown_timeout=SHUTDOWN_GRACE_S,
-            rdzv_configs={} if join_timeout is None else {"join_timeout": max(1, round(join_timeout))},
+            rdzv_configs=configs,
         )
         spec = WorkerSpec(fn, failure_dir, dict(kwargs), backend, timeout)
         payload: Any = (spec, args)
@@ -189,7 +206,7 @@ def run_script(
     script_args: Sequence[str] = (),
     *,
     nprocs: int | None = None,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
@@ -197,6 +214,7 @@ def run_script(
     module: bool = False,
     join_timeout: float | None = None,
     timeout: float | None = None,
+    rdzv_conf: Mapping[str, Any] | str | None = None,
 ) -> None:
     """Run a torchrun-style script (``python script.py args``) on ``nprocs`` processes per node.
 
@@ -242,12 +260,14 @@ def run_script(
         run_target(script, list(script_args), as_module=module)
         return
     nprocs = default_nprocs() if nprocs is None else nprocs
-    check_counts(nprocs, nnodes, max_restarts)
+    check_counts(nprocs, max_restarts)
+    min_nodes, max_nodes = node_range(nnodes)
+    configs = rdzv_configs(join_timeout, rdzv_conf)
     endpoint, rdzv_id, local_addr = rendezvous(nnodes, rdzv_endpoint, run_id)
     with agent_scope() as failure_dir, rendezvous_store(endpoint, nnodes) as endpoint:
         os.environ[TIMEOUT_VARIABLE] = str(deadline or 0)  # read by every worker's watchdog
         argv = [
-            f"--nnodes={nnodes}",
+            f"--nnodes={min_nodes}:{max_nodes}",
             f"--nproc-per-node={nprocs}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}",
@@ -255,8 +275,8 @@ def run_script(
             f"--max-restarts={max_restarts}",
             f"--shutdown-timeout={SHUTDOWN_GRACE_S}",
         ]
-        if join_timeout is not None:
-            argv.append(f"--rdzv-conf=join_timeout={max(1, round(join_timeout))}")
+        if configs:
+            argv.append("--rdzv-conf=" + ",".join(f"{key}={value}" for key, value in configs.items()))
         if local_addr:
             argv.append(f"--local-addr={local_addr}")
         # Every worker runs `python -u -m ddpkit._script_runner [-m] script args`: the script

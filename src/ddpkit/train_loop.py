@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from ddpkit._step_checks import dump_worker_stacks_in_hang_reports, skipped_model_error, straggler_text
+from ddpkit._step_checks import dump_worker_stacks_in_hang_reports, epoch_line, skipped_model_error
 from ddpkit.batches import batch_length, move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler
 from ddpkit.checkpoint import CHECKPOINT_FILE, TrainState, rng_state, set_rng_state
@@ -34,7 +34,7 @@ from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.evaluation import predict_in_order
 from ddpkit.launch import launch, scheduler_environment
 from ddpkit.process_group import get_rank, get_world_size, is_distributed, rank_device
-from ddpkit.samplers import DistributedSamplerWrapper
+from ddpkit.step_plan import Accumulation, GlobalBatch, GlobalSteps, TrainingEpochs, average_gradients
 
 __all__ = ["TrainLoop"]
 
@@ -62,6 +62,15 @@ class TrainLoop:
         seed: seeds the data order: each epoch's from ``seed`` and the epoch
             (the position shuffle as ``DistributedSampler(seed=seed)``).
         progress: show a progress bar on rank 0.
+        global_batch_size: items per optimizer step over all ranks, kept on any
+            number of ranks (default ``None``: ``W`` x batch x ``grad_accumulation``).
+            Each rank accumulates ``global_batch_size / (W * batch)`` batches (a
+            world size that cannot is refused, naming those that can), every item
+            is used once per epoch, and torch's RNG is reseeded before each batch
+            from ``seed``, the epoch and the batch's position. A resized run
+            (``fit_distributed(nnodes="MIN:MAX")``) then ends where an unresized
+            one does, up to rounding, if ``training_step`` returns a mean over
+            the batch's items and draws no random numbers (as dropout does).
 
     Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``,
     ``validation_loader``, ``test_loader``, ``device``, ``callbacks_handler``,
@@ -86,9 +95,11 @@ class TrainLoop:
         checkpoint_every: int | None = None,
         seed: int = 0,
         progress: bool = True,
+        global_batch_size: int | None = None,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
+        self.global_batch = GlobalBatch(global_batch_size) if global_batch_size is not None else None
         self.model = model
         self.train_loader = train_loader
         self.validation_loader = validation_loader
@@ -109,14 +120,14 @@ class TrainLoop:
         self.global_step = 0
         #: Per-epoch numbers: ``train_loss`` and ``validation_<metric>``.
         self.history: dict[str, list[float]] = defaultdict(list)
-        self._resume_batch = 0
+        self._resume_position = 0
+        self._epochs: TrainingEpochs | None = None  # the training loader's epochs as steps, once set up
         #: This rank's (sum of sample losses, samples) in the current epoch; a resumed epoch starts from
         #: the checkpoint's (all ranks') partial sums on rank 0, so its train loss is the uninterrupted one.
         self._epoch_sums = torch.zeros(2, dtype=torch.float64)
         self._original_loaders = {name: getattr(self, name) for name, _ in LOADER_ATTRIBUTES}
-        #: Each rank's mean time per batch in the last epoch (ms) from the end of one step to the start of the
-        #: next backward: loading and forward, before the step's all-reduce (where a fast rank waits for a
-        #: slow one). Empty in one process.
+        #: Each rank's mean time per batch in the last epoch (ms) for loading and forward, before the step's
+        #: all-reduce (where a fast rank waits for a slow one). Empty in one process.
         self.step_times: list[float] = []
         self._forward_calls = 0
 
@@ -173,13 +184,17 @@ class TrainLoop:
             and the validation metrics.
 
         Raises:
-            ValueError: ``num_epochs < 1`` or ``grad_accumulation < 1``.
+            ValueError: ``num_epochs < 1`` or ``grad_accumulation < 1``; or
+                ``grad_accumulation`` besides ``global_batch_size`` (which sets
+                it), or a world size that cannot reach ``global_batch_size``.
         """
         if num_epochs < 1 or grad_accumulation < 1:
             raise ValueError(f"num_epochs={num_epochs} and grad_accumulation={grad_accumulation} must be >= 1")
+        if self.global_batch is not None:
+            self.global_batch.check_no_accumulation(grad_accumulation)
         self.callbacks_handler.register_callbacks(callbacks)
         model = self._setup()
-        self._resume()
+        TrainState.resume(self)
         self.callbacks_handler.execute("on_train_begin")
         while self.epoch < num_epochs:
             self.callbacks_handler.execute("on_epoch_begin")
@@ -188,11 +203,13 @@ class TrainLoop:
             metrics = self.evaluate(self.validation_loader) if self.validation_loader is not None else {}
             for name, value in metrics.items():
                 self.history[f"validation_{name}"].append(value)
-            self._report(num_epochs, loss, metrics)
+            if get_rank() == 0:
+                tqdm.write(line := epoch_line(self.epoch, num_epochs, loss, metrics, self.step_times))
+                log.info(line)
             self.callbacks_handler.execute("on_epoch_end")
             self.epoch += 1
             if self.checkpoint_dir is not None:
-                self._save_checkpoint(batch=0)
+                self._save_checkpoint(position=0)
         self.callbacks_handler.execute("on_train_end")
         return dict(self.history)
 
@@ -206,21 +223,22 @@ class TrainLoop:
         backend: str | None = None,
         max_restarts: int = 0,
         timeout: float | None = None,
+        nnodes: int | str = 1,
+        rdzv_endpoint: str | None = None,
+        rdzv_conf: dict[str, Any] | str | None = None,
     ) -> dict[str, list[float]]:
         """Run :meth:`fit` on ``num_processes`` new processes (through :func:`~ddpkit.launch`).
 
         The train loop (model, loaders, optimizer, callbacks) is pickled to every
         worker, and every worker starts from this process's random state (torch,
-        numpy, Python), so the run is reproducible and dropout draws what ``fit``
-        here would have drawn (the same on every rank). Afterwards this process's
+        numpy, Python): the run is reproducible. Afterwards this process's
         :attr:`model` holds the trained weights and :attr:`history` rank 0's
         history. With ``max_restarts`` and a ``checkpoint_dir``, restarted workers
         resume from the last checkpoint (bit-identical to an uninterrupted run).
         Call it under ``if __name__ == "__main__":``. Under a scheduler that
-        already started the job's processes (``srun``, ``mpirun``, torchrun:
-        :func:`~ddpkit.launch.scheduler_environment`) nothing is spawned: this
-        process trains as one of its ranks, ``num_processes`` is ignored, and
-        :attr:`history` is this rank's (the same numbers on every rank).
+        already started the job's processes (``srun``, ``mpirun``, torchrun)
+        nothing is spawned: this process trains as one of its ranks and
+        ``num_processes`` is ignored.
 
         Args:
             num_epochs, grad_accumulation, callbacks: as for :meth:`fit`.
@@ -229,6 +247,10 @@ class TrainLoop:
             max_restarts: restarts of all workers after a failure or a hang.
             timeout: seconds a rank may wait in one collective before the job
                 counts as hung (default 300; ``0``: never), as in :func:`~ddpkit.launch`.
+            nnodes, rdzv_endpoint, rdzv_conf: as for :func:`~ddpkit.launch`: call
+                it on every node; ``nnodes="MIN:MAX"`` is an elastic job (use a
+                ``checkpoint_dir``, ``max_restarts`` for nodes lost, and
+                ``global_batch_size`` to keep the steps as the world size changes).
 
         Raises:
             HangError: the job hung (after ``max_restarts`` restarts).
@@ -238,7 +260,7 @@ class TrainLoop:
         results = launch(
             _fit_worker, self, num_epochs, grad_accumulation, callbacks, in_this_process, rng_state(),
             nprocs=None if in_this_process else num_processes, backend=backend, max_restarts=max_restarts,
-            timeout=timeout,
+            timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
         )  # fmt: skip
         history: dict[str, list[float]]
         history, weights = results[min(results)]
@@ -276,6 +298,8 @@ class TrainLoop:
             self.ddp_handler = DDPHandler(self)
             self.ddp_handler.add_distributed_samplers(get_world_size(), get_rank())
             dump_worker_stacks_in_hang_reports(self, self._original_loaders)
+            sampler = self.ddp_handler.samplers.get("train_loader")
+            self._epochs = TrainingEpochs(self.train_loader, sampler, self.global_batch, get_world_size())
         if self.ddp_model is None:
             if is_distributed():
                 device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
@@ -297,25 +321,29 @@ class TrainLoop:
             self.callbacks_handler.callbacks.remove(self.ddp_handler.callback)
         self.ddp_handler = None
         self.ddp_model = None
+        self._epochs = None
 
     def _train_epoch(self, model: nn.Module, accumulation: int, num_epochs: int) -> float:
         model.train()
         synced = isinstance(model, DistributedDataParallel)
-        start, self._resume_batch = self._resume_batch, 0
-        if start:
-            self._train_sampler().set_start(start * self._entries_per_batch())
-        loader = self.train_loader
-        total_batches = start + len(loader)
-        if not start:
+        position, self._resume_position = self._resume_position, 0
+        if not position:
             self._epoch_sums = torch.zeros(2, dtype=torch.float64)
+        assert self._epochs is not None
+        steps: Accumulation | GlobalSteps | None = self._epochs.begin(position, accumulation)
+        loader = self.train_loader
+        done = position // self._epochs.entries_per_round
         bar = tqdm(
-            loader, total=total_batches, initial=start, unit="batch", leave=False,
+            loader, total=done + len(loader), initial=done, unit="batch", leave=False,
             desc=f"epoch {self.epoch + 1}/{num_epochs}", disable=not (self.progress and get_rank() == 0),
         )  # fmt: skip
         busy, previous = 0.0, time.perf_counter()
-        for index, batch in enumerate(bar, start=start):
+        for index, batch in enumerate(bar):
+            steps = steps or self._epochs.global_steps(self.seed, self.epoch)
             batch = self.batch_to_device(batch)
-            ends_step = (index + 1) % accumulation == 0 or index + 1 == total_batches
+            ends_step = steps.ends_step(index)
+            if (seed := steps.batch_seed(index)) is not None:
+                torch.manual_seed(seed)
             # DDP decides at the forward whether this backward all-reduces: both go inside.
             gradient_sync = contextlib.nullcontext() if ends_step else self.plugin.block_backward_sync(model)
             with gradient_sync:
@@ -323,64 +351,36 @@ class TrainLoop:
                 loss = self.training_step(model, batch)
                 busy += time.perf_counter() - previous  # loading and forward: before this step's all-reduce
                 if synced and ends_step and self._forward_calls == calls:
-                    raise skipped_model_error(self, index)
-                (loss / accumulation).backward()  # type: ignore[no-untyped-call]
+                    raise skipped_model_error(self, done + index)
+                (loss / steps.divisor(index)).backward()  # type: ignore[no-untyped-call]
             count = batch_length(batch)
             self._epoch_sums += torch.tensor([float(loss.detach()) * count, count], dtype=torch.float64)
             if ends_step:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.global_step += 1
-                self.callbacks_handler.execute("on_batch_end")
-                if (
-                    self.checkpoint_every
-                    and self.checkpoint_dir is not None
-                    and self.global_step % self.checkpoint_every == 0
-                ):
-                    self._save_checkpoint(batch=index + 1)
+                self._optimizer_step(steps.position_after(index))
             previous = time.perf_counter()
+        steps = steps or self._epochs.global_steps(self.seed, self.epoch)
+        if isinstance(steps, GlobalSteps) and steps.final_step:  # a last, smaller step: not every rank had a batch
+            average_gradients(self.model.parameters())
+            self._optimizer_step(steps.end)
         summed = sync_ddp(self._epoch_sums.clone())
         if synced:
-            self.step_times = [1000 * t for t in mp_sync(busy / max(1, total_batches - start), True).tolist()]
+            batches = max(1, len(loader))
+            self.step_times = [1000 * t for t in mp_sync(busy / batches, True).tolist()]
         return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
 
-    def _train_sampler(self) -> DistributedSamplerWrapper:
-        sampler = self.ddp_handler.samplers.get("train_loader") if self.ddp_handler is not None else None
-        if not isinstance(sampler, DistributedSamplerWrapper):
-            raise TypeError(
-                f"resuming part-way through an epoch needs ddpkit's DistributedSamplerWrapper; the training loader "
-                f"has a {type(sampler).__name__}"
-            )
-        return sampler
+    def _optimizer_step(self, position: int) -> None:
+        """Step, then checkpoint every ``checkpoint_every`` steps (``position``: entries of the epoch done)."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self.callbacks_handler.execute("on_batch_end")
+        if self.checkpoint_every and self.checkpoint_dir is not None and self.global_step % self.checkpoint_every == 0:
+            self._save_checkpoint(position)
 
-    def _entries_per_batch(self) -> int:
-        """Sampler entries per loader batch: 1 for a batch sampler, the batch size for an item sampler."""
-        loader = self.train_loader
-        if isinstance(loader.batch_sampler, DistributedSampler) or loader.batch_size is None:
-            return 1
-        return int(loader.batch_size)
-
-    def _report(self, num_epochs: int, loss: float, metrics: dict[str, float]) -> None:
-        if get_rank() != 0:
-            return
-        parts = [f"epoch {self.epoch + 1:>2}/{num_epochs}", f"train loss {loss:.4f}"]
-        parts += [f"validation {name} {value:.4f}" for name, value in metrics.items()]
-        if len(self.step_times) > 1:
-            parts.append(straggler_text(self.step_times))
-        tqdm.write("  ".join(parts))
-        log.info("  ".join(parts))
-
-    def _save_checkpoint(self, batch: int) -> None:
-        """Write :class:`~ddpkit.checkpoint.TrainState` after ``batch`` batches of this epoch (every rank calls it)."""
+    def _save_checkpoint(self, position: int) -> None:
+        """Write :class:`~ddpkit.checkpoint.TrainState` after ``position`` entries of this epoch (every rank)."""
         assert self.checkpoint_dir is not None
-        TrainState.capture(self, batch).write(self.checkpoint_dir / CHECKPOINT_FILE)
-
-    def _resume(self) -> None:
-        """Load the checkpoint in ``checkpoint_dir``, if there is one, on every rank."""
-        if self.checkpoint_dir is None or not (self.checkpoint_dir / CHECKPOINT_FILE).exists():
-            return
-        TrainState.load(self.checkpoint_dir / CHECKPOINT_FILE, map_location=self.device).restore(self)
-        log.info("resumed from %s: epoch %d, batch %d", self.checkpoint_dir, self.epoch, self._resume_batch)
+        TrainState.capture(self, position).write(self.checkpoint_dir / CHECKPOINT_FILE)
 
 
 def _fit_worker(

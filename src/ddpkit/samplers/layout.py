@@ -3,14 +3,16 @@
 An *entry* is what the wrapped sampler yields: an index, or a whole batch (a
 list of indices) for a batch sampler. Entry position ``p`` of the epoch goes to
 rank ``p % W`` (``DistributedSampler``'s layout), after an optional shuffle of
-the positions. The tail, when the entry count ``n`` does not divide by ``W``,
-is the one choice in this module (:data:`Tail`):
+the positions. An epoch resumed at position ``s`` (a run resized part-way
+through it, perhaps) deals out only the positions from ``s`` on, position
+``s + k`` to rank ``k % W``. The tail, when the ``m = n - s`` entries left do
+not divide by ``W``, is the one choice in this module (:data:`Tail`):
 
-* ``"pad"``: positions run up to ``ceil(n / W) * W``; the extra ones repeat
-  entries from the start (every rank gets ``ceil(n / W)``);
-* ``"drop"``: positions stop at ``(n // W) * W`` (every rank gets ``n // W``);
+* ``"pad"``: positions run up to ``s + ceil(m / W) * W``; the extra ones repeat
+  entries from the start (every rank gets ``ceil(m / W)``);
+* ``"drop"``: positions stop at ``s + (m // W) * W`` (every rank gets ``m // W``);
 * ``"uneven"``: positions stop at ``n``; ranks differ by at most one entry and
-  nothing repeats (exact evaluation).
+  nothing repeats (exact evaluation, and elastic training).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class EpochLayout:
             ``permutation[p]``), or ``None``.
         batch_sizes: items in each entry for a batch sampler (int64,
             ``(entry_count,)``), ``None`` for an item sampler.
+        start: the first position dealt out (``0``, or where a resumed epoch
+            goes on); the positions before it were used before.
     """
 
     entry_count: int
@@ -51,26 +55,35 @@ class EpochLayout:
     tail: Tail
     permutation: torch.Tensor | None = None
     batch_sizes: torch.Tensor | None = None
+    start: int = 0
 
     def total_positions(self) -> int:
-        """Positions over all ranks: padded up, dropped down, or exactly ``entry_count``."""
-        n, w = self.entry_count, self.world_size
+        """The end of the positions dealt out: padded up, dropped down, or exactly ``entry_count``."""
+        n, w, s = self.entry_count, self.world_size, min(self.start, self.entry_count)
+        left = n - s
         if self.tail == "pad":
-            return -(-n // w) * w if n else 0
+            return s + -(-left // w) * w if n else 0
         if self.tail == "drop":
-            return n // w * w
+            return s + left // w * w
         return n
 
     def shard_length(self, rank: int) -> int:
-        """Entries ``rank`` gets: its positions ``rank, rank + W, ...`` below :meth:`total_positions`."""
-        return max(0, -(-(self.total_positions() - rank) // self.world_size))
+        """Entries ``rank`` gets: its positions ``start + rank, start + rank + W, ...`` below
+        :meth:`total_positions`."""
+        return len(self._positions(rank))
+
+    def items_between(self, low: int, high: int) -> int:
+        """Items (not entries) at positions ``[low, high)`` of the epoch, the tail's repeats included."""
+        positions = torch.arange(low, max(low, high), dtype=torch.int64)
+        return int(self._items_of(self._entries_at(positions)).sum())
+
+    def rank_entry_items(self, rank: int) -> torch.Tensor:
+        """Items in each entry ``rank`` gets, in its iteration order (int64; all ones for an item sampler)."""
+        return self._items_of(self.entry_indices(rank))
 
     def entry_indices(self, rank: int) -> torch.Tensor:
         """Indices (into the wrapped order) of the entries ``rank`` gets, in its iteration order (int64)."""
-        positions = self._positions(rank)
-        if self.entry_count:
-            positions = positions % self.entry_count
-        return self.permutation[positions] if self.permutation is not None else positions
+        return self._entries_at(self._positions(rank))
 
     def rank_items(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(positions, first)`` for each item ``rank`` yields, in order.
@@ -93,5 +106,15 @@ class EpochLayout:
         return self.entry_count if self.batch_sizes is None else int(self.batch_sizes.sum())
 
     def _positions(self, rank: int) -> torch.Tensor:
-        """Layout positions ``rank, rank + W, ...`` below the total (empty when there are fewer)."""
-        return torch.arange(rank, max(rank, self.total_positions()), self.world_size, dtype=torch.int64)
+        """Layout positions ``start + rank, start + rank + W, ...`` below the total (empty when there are fewer)."""
+        first = min(self.start, self.entry_count) + rank
+        return torch.arange(first, max(first, self.total_positions()), self.world_size, dtype=torch.int64)
+
+    def _entries_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The wrapped order's entry at each position (the tail's repeats wrap to the epoch's start)."""
+        if self.entry_count:
+            positions = positions % self.entry_count
+        return self.permutation[positions] if self.permutation is not None else positions
+
+    def _items_of(self, entries: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(entries) if self.batch_sizes is None else self.batch_sizes[entries]

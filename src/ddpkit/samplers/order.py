@@ -37,14 +37,16 @@ from ddpkit.process_group import collective_device, get_world_size, is_distribut
 __all__ = ["Order", "Seeding", "check_same_order", "draw_order", "epoch_seed", "forward_epoch"]
 
 
-def epoch_seed(base: int, epoch: int) -> int:
+def epoch_seed(base: int, epoch: int, *keys: int) -> int:
     """The seed of ``epoch`` for a run with base seed ``base``: a 63-bit hash of both (numpy's ``SeedSequence``).
 
     Different (base, epoch) pairs give unrelated seeds, so neither two epochs of
     one run nor two runs with different base seeds repeat an order by accident
     (``base + epoch`` would make epoch 1 of base 0 equal to epoch 0 of base 1).
+    More ``keys`` (a position in the epoch, say) are hashed in as well.
     """
-    (state,) = np.random.SeedSequence([base % 2**64, epoch % 2**64]).generate_state(1, np.uint64)
+    entropy = [base % 2**64, epoch % 2**64, *(key % 2**64 for key in keys)]
+    (state,) = np.random.SeedSequence(entropy).generate_state(1, np.uint64)
     return int(state) >> 1
 
 

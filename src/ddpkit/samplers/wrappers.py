@@ -1,6 +1,7 @@
-"""The public wrappers: ``DistributedSamplerWrapper`` and OML's ``DDPSamplerWrapper``.
+"""``DistributedSamplerWrapper``: any sampler or batch sampler sharded across ranks (OML's
+``DDPSamplerWrapper`` builds on it in :mod:`ddpkit.samplers.oml`).
 
-They combine the epoch's order (:mod:`ddpkit.samplers.order`: the wrapped
+It combines the epoch's order (:mod:`ddpkit.samplers.order`: the wrapped
 sampler run the same way on every rank) with the layout
 (:mod:`ddpkit.samplers.layout`: which positions go to which rank, and the
 tail), and keep ``DistributedSampler``'s interface: ``set_epoch``,
@@ -22,7 +23,7 @@ from ddpkit.process_group import collective_device, get_rank, get_world_size, is
 from ddpkit.samplers.layout import EpochLayout, Tail, tail_of
 from ddpkit.samplers.order import Order, check_same_order, draw_order, epoch_seed, forward_epoch
 
-__all__ = ["DDPSamplerWrapper", "DistributedSamplerWrapper"]
+__all__ = ["DistributedSamplerWrapper"]
 
 
 class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
@@ -61,8 +62,8 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
     Epochs advance by themselves: iterating again without :meth:`set_epoch` moves
     to the next epoch; an explicit ``set_epoch`` wins. The epoch is passed on to
     the wrapped sampler's own ``set_epoch``, if it has one (as Lightning's
-    wrapper does). :meth:`set_start` resumes an epoch part-way without touching
-    the skipped data.
+    wrapper does). :meth:`set_position` resumes an epoch part-way, on any number
+    of ranks, without touching the data already used.
 
     Iterating may run collectives (with a process group of ``num_replicas``
     ranks): the order checksum and, for :class:`DDPSamplerWrapper`, a broadcast
@@ -108,7 +109,7 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
         self.check_order = check_order
         self._epoch_given = False
         self._iterated = False
-        self._start = 0
+        self._position = 0
         self._layout: EpochLayout | None = None
 
     # --- epochs ---------------------------------------------------------------------------------
@@ -124,26 +125,46 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
     def set_start(self, start: int) -> None:
         """Make the next iteration resume this rank's shard at entry ``start`` (of the current epoch).
 
-        Nothing before ``start`` is yielded, so a DataLoader never loads it. Applies
-        to one iteration; the epoch does not advance for it.
+        The same as :meth:`set_position` with ``start * num_replicas``: every
+        rank has done ``start`` entries of this world size's layout.
 
         Raises:
             ValueError: ``start`` is negative.
         """
         if start < 0:
             raise ValueError(f"start={start} must be >= 0")
-        self._start = start
+        self.set_position(start * self.num_replicas)
+
+    def set_position(self, position: int) -> None:
+        """Make the next iteration deal out only the entries from ``position`` on of the epoch's global order.
+
+        ``position`` counts entries (indices, or whole batches of a batch
+        sampler) of all ranks together, so it does not depend on the world
+        size: a run resized part-way through an epoch resumes exactly the
+        entries not used yet, position ``position + k`` to rank ``k % W``.
+        Nothing before it is yielded, so a DataLoader never loads it. Applies
+        to one iteration; the epoch does not advance for it.
+
+        Raises:
+            ValueError: ``position`` is negative.
+        """
+        if position < 0:
+            raise ValueError(f"position={position} must be >= 0")
+        self._position = position
         self._epoch_given = True
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch": ..., "seed": ...}`` of the current epoch (add ``"start"`` to resume part-way)."""
+        """``{"epoch": ..., "seed": ...}`` of the current epoch (add ``"position"`` to resume part-way)."""
         return {"epoch": self.epoch, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume from :meth:`state_dict` (plus an optional ``"start"``: entries of this rank already done)."""
+        """Resume from :meth:`state_dict`, plus an optional ``"position"`` (entries of all ranks already
+        done, :meth:`set_position`) or ``"start"`` (entries of this rank already done, :meth:`set_start`)."""
         self.seed = int(state.get("seed", self.seed))
         self.set_epoch(int(state["epoch"]))
-        if state.get("start"):
+        if state.get("position"):
+            self.set_position(int(state["position"]))
+        elif state.get("start"):
             self.set_start(int(state["start"]))
 
     def _next_epoch(self) -> int:
@@ -159,8 +180,8 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
         """``"drop"``, ``"pad"`` or ``"uneven"``: what ``drop_last`` and ``even_shards`` make of the tail."""
         return tail_of(self.drop_last, self.even_shards)
 
-    def _layout_of_length(self) -> EpochLayout:
-        return EpochLayout(self._entry_count(), self.num_replicas, self.mode)
+    def _layout_of_length(self, start: int = 0) -> EpochLayout:
+        return EpochLayout(self.entry_count, self.num_replicas, self.mode, start=start)
 
     @property
     def num_samples(self) -> int:
@@ -182,10 +203,11 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
 
     @override
     def __len__(self) -> int:
-        return max(0, self.num_samples - self._start)
+        return self._layout_of_length(self._position).shard_length(self.rank)
 
-    def _entry_count(self) -> int:
-        """Entries the wrapped sampler produces per epoch."""
+    @property
+    def entry_count(self) -> int:
+        """Entries (indices, or batches) the wrapped sampler produces per epoch."""
         return len(self.sampler)  # type: ignore[arg-type]  # checked in __init__
 
     @property
@@ -199,13 +221,15 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[Any]:
         epoch = self._next_epoch()
         forward_epoch(self.sampler, epoch)
-        start, self._start = self._start, 0
+        start, self._position = self._position, 0
         order = self._epoch_order(epoch)
         permutation = None
         if self.shuffle and len(order):  # DistributedSampler's own shuffle of the positions
             permutation = torch.randperm(len(order), generator=torch.Generator().manual_seed(self.seed + epoch))
-        self._layout = EpochLayout(len(order), self.num_replicas, self.mode, permutation, order.batch_sizes())
-        return iter(order.select(self._layout.entry_indices(self.rank)[start:]))
+        self._layout = EpochLayout(
+            len(order), self.num_replicas, self.mode, permutation, order.batch_sizes(), start=start
+        )
+        return iter(order.select(self._layout.entry_indices(self.rank)))
 
     def _epoch_order(self, epoch: int) -> Order:
         """The wrapped sampler's entries for ``epoch``, the same on every rank (checked where not certain)."""
@@ -226,80 +250,3 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
         shared = torch.tensor([value], dtype=torch.int64, device=collective_device())
         dist.broadcast(shared, src=0)
         return int(shared.item())
-
-
-class DDPSamplerWrapper(DistributedSamplerWrapper):
-    """OML's ``DDPSamplerWrapper``: custom samplers and batch samplers in DDP mode.
-
-    ``DDPSamplerWrapper(sampler, shuffle_samples_between_gpus=True,
-    pad_data_to_num_gpus=True)`` distributes the indices (or batches) the
-    sampler produces among the ranks of the process group: a
-    :class:`DistributedSamplerWrapper` with ``shuffle=shuffle_samples_between_gpus``
-    and ``drop_last=not pad_data_to_num_gpus``.
-
-    Args:
-        sampler: sequential, random, or batch sampler.
-        shuffle_samples_between_gpus: shuffle the available entries before
-            feeding them to the ranks; the sampler's own order inside is kept.
-        pad_data_to_num_gpus: pad so every rank gets the same number of entries
-            (``True``), or discard the tail (``False``).
-
-    The wrapped sampler's randomness follows the user's seeding: at the first
-    epoch a base seed is drawn from torch's global generator (as ``DataLoader``
-    draws its own), rank 0's is shared with every rank (one broadcast), and
-    every epoch, epoch 0 included, runs the sampler with the RNGs seeded from
-    that base and the epoch (each iteration advances the epoch, as OML's
-    :meth:`_reload`). The same user seed gives the same epochs, and no epoch
-    repeats another. Unlike OML, epoch 0 is not drawn from the global RNG as it
-    stands (ranks seeded differently would disagree), and ranks whose sampler
-    still draws different orders raise instead of losing and repeating items.
-
-    Attributes:
-        base_seed: the base seed, ``None`` until the first iteration (it is in
-            :meth:`state_dict`, so a resumed run keeps it).
-    """
-
-    def __init__(
-        self, sampler: Iterable[Any], shuffle_samples_between_gpus: bool = True,
-        pad_data_to_num_gpus: bool = True,
-    ) -> None:  # fmt: skip
-        super().__init__(sampler, shuffle=shuffle_samples_between_gpus, drop_last=not pad_data_to_num_gpus)
-        self.seed_shift_per_epoch = 0
-        self.base_seed: int | None = None
-
-    def _reload(self) -> None:
-        """Move to the next epoch: ``epoch = seed_shift_per_epoch`` (0, 1, 2, ...), as OML's ``_reload`` (which
-        also re-read the sampler from epoch 1 on; this wrapper re-reads it every epoch anyway)."""
-        self.set_epoch(self.seed_shift_per_epoch)
-        self.seed_shift_per_epoch += 1
-
-    @override
-    def __iter__(self) -> Iterator[Any]:
-        if not self._epoch_given:
-            self._reload()
-        return super().__iter__()
-
-    @override
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "seed", "base_seed"}`` (``base_seed`` once the first epoch has drawn it)."""
-        state = super().state_dict()
-        if self.base_seed is not None:
-            state["base_seed"] = self.base_seed
-        return state
-
-    @override
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume from :meth:`state_dict`: the epoch, and the base seed of the run it came from."""
-        if "base_seed" in state:
-            self.base_seed = int(state["base_seed"])
-        super().load_state_dict(state)
-        self.seed_shift_per_epoch = self.epoch + 1  # the epoch after the resumed one
-
-    @override
-    def _base_seed(self) -> int:
-        """Drawn from torch's global generator at the first epoch; rank 0's, on every rank."""
-        if self.base_seed is None:
-            drawn = int(torch.empty((), dtype=torch.int64).random_().item())
-            shared = self._rank_zero_value(drawn)
-            self.base_seed = drawn if shared is None else shared
-        return self.base_seed

@@ -1,0 +1,277 @@
+"""Which of a rank's loader batches end an optimizer step, and what each batch's loss is divided by.
+
+``TrainLoop`` steps one of two ways:
+
+* :class:`Accumulation` (``grad_accumulation=k``, default 1, as every peer
+  does): each rank steps after every ``k`` of its batches and after its last,
+  each batch's loss divided by ``k``. A step then holds ``W * batch * k``
+  items: the global batch changes with the world size ``W``.
+* :class:`GlobalBatch` (``global_batch_size=G``): a step holds ``G`` items of
+  the epoch's global order, whatever the world size. The sampler deals entry
+  position ``p`` to rank ``p % W``, so with ``k = G / (W * batch)`` each
+  rank's batches ``s*k ... s*k + k - 1`` hold exactly the positions of step
+  ``s``, and a run resized between two steps goes on with the same steps. The
+  epoch's last step holds what is left, and a rank may have fewer of its
+  batches in it than another, or none: that step's gradients are averaged by
+  one explicit all-reduce instead of DDP's, and each batch's loss (a mean over
+  its items) is divided by ``step items / (batch items * W)``, so every
+  step's gradient is the mean over its items, as one process with a batch of
+  ``G`` items computes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddpkit.process_group import get_world_size, is_distributed
+from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout, epoch_seed
+
+__all__ = ["Accumulation", "GlobalBatch", "GlobalSteps", "TrainingEpochs", "average_gradients"]
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """Steps of ``accumulation`` batches per rank (the last step of the epoch may hold fewer).
+
+    Attributes:
+        accumulation: batches per optimizer step on each rank.
+        batches: this rank's batches in the epoch (from ``start`` on).
+        start: the entry position the epoch resumed at (0 at its beginning).
+        entries_per_round: entries all ranks' ``i``-th batches hold together
+            (``W`` times the entries of one batch).
+        entry_count: entries in the epoch, when known (positions stop there).
+    """
+
+    accumulation: int
+    batches: int
+    start: int = 0
+    entries_per_round: int = 1
+    entry_count: int | None = None
+    #: Whether a step is left after the last batch (never: each rank steps after its last batch).
+    final_step: bool = field(default=False, init=False)
+
+    @property
+    def offset(self) -> int:
+        """Batches each rank did before ``start``."""
+        return self.start // self.entries_per_round
+
+    def ends_step(self, index: int) -> bool:
+        """Whether this rank's batch ``index`` (counted from ``start``) ends an optimizer step."""
+        return (self.offset + index + 1) % self.accumulation == 0 or index + 1 == self.batches
+
+    def divisor(self, index: int) -> int:
+        """What batch ``index``'s loss is divided by: ``accumulation``."""
+        return self.accumulation
+
+    def position_after(self, index: int) -> int:
+        """Entries of the epoch's global order done once every rank's batch ``index`` is done."""
+        position = self.start + (index + 1) * self.entries_per_round
+        return position if self.entry_count is None else min(position, self.entry_count)
+
+    def batch_seed(self, index: int) -> int | None:
+        """``None``: the random state runs on from the previous batch."""
+        return None
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """A fixed number of items per optimizer step, over all ranks (``TrainLoop(global_batch_size=...)``)."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"global_batch_size={self.size!r} must be an integer >= 1 (items per optimizer step)")
+
+    def check_no_accumulation(self, grad_accumulation: int) -> None:
+        """Raise ``ValueError`` for a ``grad_accumulation`` besides the global batch (which sets it)."""
+        if grad_accumulation != 1:
+            raise ValueError(
+                f"grad_accumulation={grad_accumulation} and global_batch_size={self.size}: pass one; with "
+                "global_batch_size each world size derives its accumulation"
+            )
+
+    def accumulation(self, world_size: int, batch_items: int) -> int:
+        """Batches per step on each of ``world_size`` ranks whose batches hold ``batch_items`` items.
+
+        Raises:
+            ValueError: ``world_size * batch_items`` does not divide the global
+                batch; the message lists the world sizes that can reach it.
+        """
+        if self.size % (world_size * batch_items) == 0:
+            return self.size // (world_size * batch_items)
+        fits = [w for w in range(1, self.size // batch_items + 1) if self.size % (w * batch_items) == 0]
+        can = (
+            f"with these batches it runs on {', '.join(map(str, fits))} rank(s)"
+            if fits
+            else f"no world size can: make it a multiple of {batch_items}"
+        )
+        raise ValueError(
+            f"global_batch_size={self.size} cannot be reached on {world_size} rank(s) with batches of {batch_items} "
+            f"items (each step needs the same whole number of batches on every rank): {can}. Otherwise change the "
+            "training loader's batch size or global_batch_size"
+        )
+
+    def epoch(self, layout: EpochLayout, rank: int, entries_per_batch: int, seed: int, epoch: int) -> GlobalSteps:
+        """The steps of the epoch ``layout`` deals out, seen from ``rank`` whose batches hold ``entries_per_batch``
+        entries; batch seeds hash ``seed``, ``epoch`` and the batch's first position.
+
+        Raises:
+            ValueError: this world size cannot reach the global batch (:meth:`accumulation`),
+                or the layout pads or drops its tail.
+        """
+        if layout.tail != "uneven":
+            raise ValueError(
+                f"a global batch needs an epoch dealt out without padding or dropping (not {layout.tail!r})"
+            )
+        sizes = layout.batch_sizes
+        entry_items = int(sizes.max()) if sizes is not None and len(sizes) else 1
+        accumulation = self.accumulation(layout.world_size, entries_per_batch * entry_items)
+        return GlobalSteps(layout, rank, entries_per_batch, accumulation, self.size // entry_items, seed, epoch)
+
+
+class GlobalSteps:
+    """One rank's view of one epoch's steps of a :class:`GlobalBatch` (see the module docstring)."""
+
+    def __init__(
+        self, layout: EpochLayout, rank: int, entries_per_batch: int, accumulation: int, entries_per_step: int,
+        seed: int, epoch: int,
+    ) -> None:  # fmt: skip
+        self.layout, self.rank, self.entries_per_batch = layout, rank, entries_per_batch
+        self.accumulation, self.entries_per_step = accumulation, entries_per_step
+        self.seed, self.epoch = seed, epoch
+        self.start, self.end = min(layout.start, layout.entry_count), layout.entry_count
+        left = self.end - self.start
+        self.full_steps = left // entries_per_step
+        #: Whether the epoch's last step is left after this rank's last batch (it holds fewer than the global
+        #: batch, so not every rank has a batch in it: it is synchronised explicitly, :func:`average_gradients`).
+        self.final_step = self.full_steps < math.ceil(left / entries_per_step)
+        chunks = torch.split(layout.rank_entry_items(rank), entries_per_batch)
+        self._batch_items = [int(chunk.sum()) for chunk in chunks]
+        self._step_items: dict[int, int] = {}
+
+    def ends_step(self, index: int) -> bool:
+        """Whether batch ``index`` ends a step through DDP's all-reduce (never in a last, smaller step)."""
+        return (index + 1) % self.accumulation == 0 and index // self.accumulation < self.full_steps
+
+    def divisor(self, index: int) -> float:
+        """``step items / (batch items * W)``: ``accumulation`` in a step of the full global batch."""
+        return self._items_of_step(index // self.accumulation) / (self._batch_items[index] * self.layout.world_size)
+
+    def position_after(self, index: int) -> int:
+        """Entries of the epoch's global order done once the step of batch ``index`` is done."""
+        return min(self.end, self.start + (index // self.accumulation + 1) * self.entries_per_step)
+
+    def batch_seed(self, index: int) -> int:
+        """The seed of batch ``index``'s random numbers (dropout): a hash of the seed, the epoch and the
+        batch's first position, so that a restarted run draws what the first one drew."""
+        first = self.start + self.rank + self.layout.world_size * index * self.entries_per_batch
+        return epoch_seed(self.seed, self.epoch, first)
+
+    def _items_of_step(self, step: int) -> int:
+        if step not in self._step_items:
+            low = self.start + step * self.entries_per_step
+            self._step_items[step] = self.layout.items_between(low, min(self.end, low + self.entries_per_step))
+        return self._step_items[step]
+
+
+def average_gradients(parameters: Iterable[nn.Parameter]) -> None:
+    """All-reduce the gradients of ``parameters`` to their mean over the ranks, as DDP does (every rank calls it).
+
+    A parameter without a gradient counts as a zero gradient (and gets one), so
+    ranks that had no batch in a step take part. Gradients are divided by the
+    world size before the sum, as DDP's default hook does; one ``all_reduce``
+    per device and dtype. Without a process group nothing happens.
+    """
+    if not is_distributed():
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for parameter in parameters:
+        if parameter.requires_grad:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            groups.setdefault((parameter.grad.device, parameter.grad.dtype), []).append(parameter.grad)
+    world_size = get_world_size()
+    for grads in groups.values():
+        flat = torch.cat([grad.reshape(-1) for grad in grads]).div_(world_size)
+        dist.all_reduce(flat)
+        for grad, part in zip(grads, torch.split(flat, [grad.numel() for grad in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
+
+
+class TrainingEpochs:
+    """A sharded training loader's epochs as optimizer steps (what ``TrainLoop`` asks of its training data).
+
+    Args:
+        loader: the training loader, sharded.
+        sampler: its distributed sampler (the batch sampler, or the sampler).
+        global_batch: the fixed global batch, or ``None`` to accumulate.
+        world_size: the number of ranks.
+
+    With a global batch the sampler deals every item out once (no padding, no
+    dropping), and for an item loader the world size is checked at once.
+
+    Raises:
+        TypeError: a global batch with a sampler that is not ddpkit's wrapper.
+        ValueError: a global batch with ``drop_last=True``, or that this world size cannot reach.
+    """
+
+    def __init__(
+        self, loader: DataLoader[Any], sampler: DistributedSampler[Any] | None, global_batch: GlobalBatch | None,
+        world_size: int,
+    ) -> None:  # fmt: skip
+        self.loader, self.sampler, self.global_batch = loader, sampler, global_batch
+        batch_sampler_entries = isinstance(loader.batch_sampler, DistributedSampler) or loader.batch_size is None
+        #: Sampler entries per loader batch: 1 for a batch sampler, the batch size for an item sampler.
+        self.entries_per_batch = 1 if batch_sampler_entries else int(loader.batch_size or 1)
+        #: Entries all ranks' ``i``-th batches hold together.
+        self.entries_per_round = self.entries_per_batch * world_size
+        if global_batch is None:
+            return
+        wrapper = self.wrapper(f"global_batch_size={global_batch.size}")
+        if loader.drop_last:
+            raise ValueError(
+                f"global_batch_size={global_batch.size} uses every training item once per epoch: build the training "
+                "DataLoader with drop_last=False"
+            )
+        wrapper.drop_last, wrapper.even_shards = False, False
+        if not batch_sampler_entries:
+            global_batch.accumulation(world_size, self.entries_per_batch)
+
+    def wrapper(self, needed_by: str) -> DistributedSamplerWrapper:
+        """The sampler, which ``needed_by`` needs to be ddpkit's.
+
+        Raises:
+            TypeError: it is another (a ``DistributedSampler`` of the user's).
+        """
+        if not isinstance(self.sampler, DistributedSamplerWrapper):
+            raise TypeError(
+                f"{needed_by} needs ddpkit's DistributedSamplerWrapper to shard the training data; the training "
+                f"loader has a {type(self.sampler).__name__}: give TrainLoop the unsharded loader"
+            )
+        return self.sampler
+
+    def begin(self, position: int, accumulation: int) -> Accumulation | None:
+        """Start an epoch at entry ``position`` (0: its beginning); its steps, or ``None`` for a global batch
+        (:meth:`global_steps`, once the loader has started the epoch)."""
+        if position:
+            self.wrapper("resuming part-way through an epoch").set_position(position)
+        if self.global_batch is not None:
+            return None
+        count = self.sampler.entry_count if isinstance(self.sampler, DistributedSamplerWrapper) else None
+        return Accumulation(accumulation, len(self.loader), position, self.entries_per_round, count)
+
+    def global_steps(self, seed: int, epoch: int) -> GlobalSteps:
+        """The global batch's steps of the epoch the sampler has dealt out."""
+        wrapper = self.wrapper("a global_batch_size")
+        assert self.global_batch is not None
+        assert wrapper.last_layout is not None, "begin() first, then iterate the loader"
+        return self.global_batch.epoch(wrapper.last_layout, wrapper.rank, self.entries_per_batch, seed, epoch)
