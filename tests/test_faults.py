@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -115,13 +116,19 @@ def _digits_loop(checkpoint_dir: Path) -> TrainLoop:
 
 
 @pytest.mark.timeout(240)
-def test_a_worker_killed_mid_epoch_costs_only_the_steps_since_the_checkpoint(tmp_path: Path) -> None:
+def test_a_worker_killed_mid_epoch_costs_only_the_steps_since_the_checkpoint(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """SIGKILL of rank 1 at step 12 (checkpoints every 5): the job restarts from step 10 and ends bit-identical."""
     uninterrupted = _digits_loop(tmp_path / "a")
     uninterrupted.fit_distributed(2, num_processes=2)
     log = tmp_path / "steps.log"
     killed = _digits_loop(tmp_path / "b")
+    capfd.readouterr()
     killed.fit_distributed(2, num_processes=2, callbacks=[_KillRankOneOnce(str(log), 12)], max_restarts=1)
+    out, err = capfd.readouterr()
+    assert re.search(r"^ddpkit: restart 1 of 1: local rank 1 was killed by signal SIGKILL \(tracebacks: ", err, re.M)
+    assert f"resuming from {tmp_path / 'b'}: epoch 1/2, 640 entries into it, after 10 optimizer steps" in out
 
     steps = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
     first_attempt = [step for attempt, step in steps if attempt == 0]
@@ -178,6 +185,15 @@ def test_a_rank_raising_in_a_training_step_ends_the_job_within_10_s(tmp_path: Pa
     assert "rank 1 failed (exit code 1): ValueError: corrupt batch on rank 1 at step 3" in stderr
     assert "traceback of rank 1:" in stderr
     assert "in training_step" in stderr
+    # Quiet: one line from the failing rank, then ddpkit's summary; torch's log lines and rank 0's
+    # secondary traceback (it lost its peer) go to the log file the summary names.
+    lines = stderr.splitlines()
+    assert lines[0] == "[rank1]: ValueError: corrupt batch on rank 1 at step 3"
+    assert lines[1].startswith("ddpkit run: rank 1 failed")
+    assert not [line for line in lines if re.match(r"[EWI]\d{4} |\[rank0\]", line)], stderr
+    log = Path(lines[-1].removeprefix("torch's launcher log and every failed rank's traceback: "))
+    assert "rank 0: Traceback" in log.read_text()
+    log.unlink()
     pids = [int(path.stem) for path in tmp_path.glob("*.pid")]
     assert len(pids) == 2
     assert [pid for pid in pids if alive(pid)] == [], "no process left behind"

@@ -86,7 +86,9 @@ def test_launch_returns_each_ranks_result_and_restores_the_caller() -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-def test_a_failing_rank_is_named_within_seconds_and_no_worker_survives(tmp_path: Path) -> None:
+def test_a_failing_rank_is_named_within_seconds_and_no_worker_survives(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     started = time.monotonic()
     with pytest.raises(WorkerFailedError) as caught:
         launch(_fail_on_rank_one, str(tmp_path), nprocs=2, timeout=120)
@@ -96,6 +98,17 @@ def test_a_failing_rank_is_named_within_seconds_and_no_worker_survives(tmp_path:
     assert (error.rank, error.exitcode, error.error) == (1, 1, "ValueError: bad batch 17 on rank 1")
     assert "_fail_on_rank_one" in error.traceback
     assert str(error).startswith("rank 1 failed (exit code 1): ValueError: bad batch 17 on rank 1")
+    # Quiet: ddpkit's summary is what the user sees, not torch's logs or rank 0's secondary traceback.
+    assert error.__cause__ is None, "torch's error would print its own copy of the traceback"
+    assert error.__suppress_context__
+    assert capfd.readouterr().err == ""
+    (note,) = error.__notes__
+    log = Path(note.rpartition(": ")[2])
+    text = log.read_text()
+    assert "failed (exitcode: 1)" in text, "torch's launcher log"
+    assert "rank 1: Traceback" in text, "every failed rank's traceback"
+    assert "rank 0: Traceback" in text
+    log.unlink()
     pids = [int(path.stem) for path in tmp_path.glob("*.pid")]
     assert len(pids) == 2
     deadline = time.monotonic() + 5

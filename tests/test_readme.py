@@ -1,9 +1,14 @@
-"""The README's quick start is what CI runs."""
+"""The README's quick start is what CI runs, and every Python block in it runs as written."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 
@@ -24,3 +29,77 @@ def test_quick_start_is_two_commands_and_ci_runs_both_verbatim() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in commands:
         assert command in ci, f"CI does not run the README command {command!r}"
+
+
+# --- every Python block runs as written -------------------------------------------------------
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+
+
+def _block_id(block: str) -> str:
+    names = [path.name for path in EXAMPLES if path.read_text() == block]
+    return names[0] if names else re.sub(r"\W+", "_", block.split("def ", 1)[-1].split("(", 1)[0])
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_clean_env()
+    )
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def _clean_env() -> dict[str, str]:
+    """A user's environment: no pytest worker variables, nothing ddpkit set in this process."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("DDPKIT_", "PYTEST_", "RANK", "MASTER_"))}
+
+
+def test_the_readme_links_every_example_file_and_every_linked_file_exists() -> None:
+    readme = (ROOT / "README.md").read_text()
+    linked = set(re.findall(r"\]\(((?:src/ddpkit/)?examples/[\w/]+\.py)\)", readme))
+    assert {f"examples/{path.name}" for path in EXAMPLES} <= linked
+    assert [path for path in linked if not (ROOT / path).is_file()] == []
+    assert len(python_blocks()) >= 7
+    for path in EXAMPLES:  # a file the README shows is shown whole, as it is
+        text = path.read_text()
+        shown = [block for block in python_blocks() if block.splitlines()[0] == text.splitlines()[0]]
+        assert shown in ([], [text]), f"the README's copy of examples/{path.name} differs from the file"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("block", python_blocks(), ids=_block_id)
+def test_every_python_block_of_the_readme_runs_as_written(block: str, tmp_path: Path) -> None:
+    """Each block in a fresh directory, as a user who copies it into a file; a test module under pytest."""
+    if "def test_" in block:
+        (tmp_path / "test_block.py").write_text(block)
+        result = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "test_block.py"], tmp_path)
+        assert "1 passed" in result.stdout
+        return
+    (tmp_path / "block.py").write_text(block)
+    _run(["block.py"], tmp_path)
+
+
+@pytest.mark.e2e
+def test_the_train_loop_example_says_when_its_checkpoint_dir_holds_a_finished_run(tmp_path: Path) -> None:
+    script = str(ROOT / "examples" / "train_loop.py")
+    first = _run([script], tmp_path).stdout.splitlines()
+    again = _run([script], tmp_path).stdout.splitlines()
+    assert first[-1].startswith("validation accuracy after 5 epochs: 0.9")
+    assert again == [
+        "already trained 5 of 5 epochs in runs/digits; nothing to do: delete it, pass a new checkpoint_dir, "
+        "or ask for more epochs",
+        first[-1],
+    ]
+
+
+@pytest.mark.e2e
+def test_the_torchrun_style_example_runs_under_ddpkit_run(tmp_path: Path) -> None:
+    script = str(ROOT / "examples" / "train.py")
+    result = _run(["-m", "ddpkit", "run", "-n", "2", script, "--epochs", "2"], tmp_path)
+    (line,) = result.stdout.splitlines()
+    assert line.startswith("2 ranks, 2 epochs: validation accuracy 0.9")
+    assert result.stderr == "", "nothing but the script's own output"

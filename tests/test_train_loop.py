@@ -216,11 +216,31 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path: Path
     assert not all(torch.equal(stopped[0][0][k], uninterrupted[0][0][k]) for k in weights), "the stop was real"
 
 
-def test_a_finished_run_started_again_trains_no_further(tmp_path: Path) -> None:
+def _printed_run(directory: str, stop: _StopAfter | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        weights, history, _ = _resumable_run(directory, stop)
+    return weights, history, out.getvalue()
+
+
+def test_a_finished_run_started_again_trains_no_further_and_says_so(tmp_path: Path) -> None:
     first = run_parallel(_resumable_run, str(tmp_path), None, timeout=60)
-    again = run_parallel(_resumable_run, str(tmp_path), None, timeout=60)
+    again = run_parallel(_printed_run, str(tmp_path), None, timeout=60)
     assert all(torch.equal(again[0][0][k], first[0][0][k]) for k in first[0][0])
     assert again[0][1] == first[0][1]
+    assert again[0][2] == (
+        f"already trained 2 of 2 epochs in {tmp_path}; nothing to do: delete it, pass a new checkpoint_dir, "
+        "or ask for more epochs\n"
+    )
+    assert again[1][2] == "", "rank 0 alone prints"
+
+
+def test_a_resumed_run_says_where_it_resumes(tmp_path: Path) -> None:
+    run_parallel(_resumable_run, str(tmp_path), _StopAfter(step=30), timeout=60)
+    resumed = run_parallel(_printed_run, str(tmp_path), None, timeout=60)
+    first_line = resumed[0][2].splitlines()[0]  # epochs of 23 steps of 2 x 32; the stop came before step 30's save
+    assert first_line == f"resuming from {tmp_path}: epoch 2/2, 128 entries into it, after 25 optimizer steps"
+    assert "epoch  2/2  train loss" in resumed[0][2]
 
 
 # --- behaviour ---------------------------------------------------------------------------------

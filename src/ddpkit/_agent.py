@@ -12,7 +12,9 @@
 * :func:`translated_failures`: torch's ``ChildFailedError`` and
   ``RendezvousError`` become :class:`~ddpkit.WorkerFailedError` (or
   :class:`~ddpkit.HangError`) naming the first failing rank, and
-  :class:`~ddpkit.RendezvousFailedError`.
+  :class:`~ddpkit.RendezvousFailedError`; meanwhile torch's launcher log goes to
+  a file (:mod:`ddpkit._agent_log`), which the error names, and each restart
+  prints one line.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ddpkit._agent_log import agent_log
 from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error
 from ddpkit._stores import release_loopback_store, serve_on_loopback
 from ddpkit._watchdog import TIMEOUT_VARIABLE
@@ -176,18 +179,22 @@ def rendezvous_store(endpoint: str, nnodes: int | str) -> Iterator[str]:
 def translated_failures(
     failure_dir: str, endpoint: str, nnodes: int | str, join_timeout: float | None
 ) -> Iterator[None]:
-    """Turn the elastic agent's errors into ddpkit's (see the module docstring)."""
+    """Turn the elastic agent's errors into ddpkit's, its log into a file (see the module docstring)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    try:
-        yield
-    except ChildFailedError as err:
-        _release_frames(err)
-        raise worker_failed_error(err, read_records(failure_dir)) from err
-    except RendezvousError as err:
-        _release_frames(err)
-        raise _rendezvous_failed(err, endpoint, nnodes, join_timeout) from err
+    with agent_log(failure_dir) as log:
+        try:
+            yield
+        except ChildFailedError as err:  # torch's text repeats a worker's traceback that ours names
+            _release_frames(err)
+            log.write_tracebacks()
+            error = worker_failed_error(err, read_records(failure_dir))
+            error.add_note(log.note())
+            raise error from None
+        except RendezvousError as err:
+            _release_frames(err)
+            raise _rendezvous_failed(err, endpoint, nnodes, join_timeout) from None
 
 
 def _rendezvous_failed(

@@ -20,7 +20,14 @@ from typing import Any
 
 from ddpkit.errors import HangError, WorkerFailedError
 
-__all__ = ["FAILURE_DIR_VARIABLE", "read_records", "worker_failed_error", "write_hang_record", "write_record"]
+__all__ = [
+    "FAILURE_DIR_VARIABLE",
+    "first_failed_rank",
+    "read_records",
+    "worker_failed_error",
+    "write_hang_record",
+    "write_record",
+]
 
 #: Environment variable naming the directory where workers write their failure records.
 FAILURE_DIR_VARIABLE = "DDPKIT_FAILURE_DIR"
@@ -89,6 +96,14 @@ def read_records(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]
     last = max(int(r["attempt"]) for r in records)
     latest = [r for r in records if int(r["attempt"]) == last]
     return {int(r["rank"]): r for r in sorted(latest, key=lambda r: "hang" in r)}  # the hang record wins
+
+
+def first_failed_rank(directory: str | os.PathLike[str]) -> int | None:
+    """The rank of the earliest record of the last attempt that left any (``None``: no record)."""
+    records = read_records(directory)
+    if not records:
+        return None
+    return int(min(records.values(), key=lambda r: float(r["time"]))["rank"])
 
 
 def worker_failed_error(err: Any, records: dict[int, dict[str, Any]]) -> WorkerFailedError:

@@ -13,7 +13,8 @@ import os
 import runpy
 import sys
 
-from ddpkit._failures import FAILURE_DIR_VARIABLE, write_record
+from ddpkit._agent_log import is_verbose
+from ddpkit._failures import FAILURE_DIR_VARIABLE, first_failed_rank, write_record
 from ddpkit._orphans import children_die_with_this_process, die_with_parent
 from ddpkit._stores import serve_on_loopback
 from ddpkit._watchdog import enable_flight_recorder, hang_timeout, start_watchdog
@@ -29,7 +30,18 @@ def main() -> None:
         args = args[1:]
     if not args:
         raise SystemExit("usage: python -m ddpkit._script_runner [-m] SCRIPT_OR_MODULE [ARGS...]")
-    run_target(args[0], args[1:], as_module)
+    try:
+        run_target(args[0], args[1:], as_module)
+    except Exception as exc:
+        directory = os.environ.get(FAILURE_DIR_VARIABLE)
+        if not directory or is_verbose():
+            raise
+        # The agent's summary shows the first failure's traceback (and the log file every rank's):
+        # one line here, and none for the ranks that merely lost a peer that had failed.
+        rank, first = int(os.environ.get("RANK", "0")), first_failed_rank(directory)
+        if first in (None, rank):
+            print(f"[rank{rank}]: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def run_target(target: str, args: list[str], as_module: bool = False) -> None:

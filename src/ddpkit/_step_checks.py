@@ -44,6 +44,20 @@ def epoch_line(epoch: int, num_epochs: int, loss: float, metrics: dict[str, floa
     return "  ".join(parts)
 
 
+def resume_line(loop: Any, num_epochs: int) -> str:
+    """What a ``TrainLoop`` that found a checkpoint does with it: resume, or nothing when it is finished."""
+    if loop.epoch >= num_epochs:
+        return (
+            f"already trained {loop.epoch} of {num_epochs} epochs in {loop.checkpoint_dir}; nothing to do: delete it, "
+            "pass a new checkpoint_dir, or ask for more epochs"
+        )
+    where = f", {loop._resume_position} entries into it" if loop._resume_position else ""
+    return (
+        f"resuming from {loop.checkpoint_dir}: epoch {loop.epoch + 1}/{num_epochs}{where}, "
+        f"after {loop.global_step} optimizer steps"
+    )
+
+
 def dump_worker_stacks_in_hang_reports(loop: Any, original_loaders: dict[str, Any]) -> None:
     """The DataLoader workers of the loaders ddpkit rebuilt show their stacks in a hang report (also when
     they are spawned, which they are in a worker of ``launch``)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import logging
 import os
 import random
 import tempfile
@@ -30,8 +29,6 @@ from ddpkit._watchdog import paused
 from ddpkit.collectives import all_gather_object, sync_ddp
 from ddpkit.errors import DDPKitError
 from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
-
-log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINT_FILE", "TrainState", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
 
@@ -144,13 +141,13 @@ class TrainState:
         )
 
     @classmethod
-    def resume(cls, loop: Any) -> None:
+    def resume(cls, loop: Any) -> bool:
         """Restore ``loop`` (a ``TrainLoop``) from the checkpoint in its ``checkpoint_dir``, if there is one
-        (every rank calls it)."""
+        (every rank calls it); whether there was one."""
         if loop.checkpoint_dir is None or not (loop.checkpoint_dir / CHECKPOINT_FILE).exists():
-            return
+            return False
         cls.load(loop.checkpoint_dir / CHECKPOINT_FILE, map_location=loop.device).restore(loop)
-        log.info("resumed from %s: epoch %d, entry %d", loop.checkpoint_dir, loop.epoch, loop._resume_position)
+        return True
 
     def restore(self, loop: Any) -> None:
         """Put ``loop`` (a ``TrainLoop``) where this state was: weights, optimizer, position, history, and this

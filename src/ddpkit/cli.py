@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import __version__
+from ddpkit._agent_log import VERBOSE_VARIABLE
 from ddpkit.environments import detect_environment
 from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
 from ddpkit.launch import launch, run_script
@@ -49,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 300, or DDPKIT_HANG_TIMEOUT; 0: never)",
     )
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m")
+    run.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show torch's launcher log and every rank's traceback on stderr (default: in a log file "
+        "that a failure names)",
+    )
     run.add_argument("--doctor", action="store_true", help="run `ddpkit doctor` on these processes instead of SCRIPT")
     run.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module, with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments of the script")
@@ -146,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(command: str, error: BaseException | str, status: int = 1) -> int:
-    print(f"ddpkit {command}: {error}", file=sys.stderr)
+    notes = getattr(error, "__notes__", [])  # e.g. where torch's launcher log is
+    print("\n".join([f"ddpkit {command}: {error}", *notes]), file=sys.stderr)
     return status
 
 
@@ -156,6 +165,8 @@ def _run(args: argparse.Namespace) -> int:
         return _doctor(args)
     if args.script is None:
         return _fail("run", ValueError("SCRIPT is required (or --doctor)"), status=2)
+    if args.verbose:
+        os.environ[VERBOSE_VARIABLE] = "1"
     try:
         run_script(
             args.script,

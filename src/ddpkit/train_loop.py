@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from ddpkit._step_checks import dump_worker_stacks_in_hang_reports, epoch_line, skipped_model_error
+from ddpkit._step_checks import dump_worker_stacks_in_hang_reports, epoch_line, resume_line, skipped_model_error
 from ddpkit.batches import batch_length, move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler
 from ddpkit.checkpoint import CHECKPOINT_FILE, TrainState, rng_state, set_rng_state
@@ -49,7 +49,7 @@ class TrainLoop:
         train_loader: training data; its sampler (or batch sampler) is sharded across ranks.
         validation_loader: evaluated after each epoch (optional).
         test_loader: for :meth:`evaluate` (optional).
-        optimizer: default ``torch.optim.Adam(model.parameters())``.
+        optimizer: default ``torch.optim.Adam(model.parameters())`` (learning rate 1e-3).
         criterion: the loss; default ``nn.CrossEntropyLoss()``.
         device: default ``cuda:<local rank>`` when CUDA is available, else CPU.
         plugin: the :class:`~ddpkit.DDPPlugin` that wraps the model (default ``DDPPlugin()``).
@@ -194,7 +194,9 @@ class TrainLoop:
             self.global_batch.check_no_accumulation(grad_accumulation)
         self.callbacks_handler.register_callbacks(callbacks)
         model = self._setup()
-        TrainState.resume(self)
+        if TrainState.resume(self) and get_rank() == 0:
+            tqdm.write(line := resume_line(self, num_epochs))
+            log.info(line)
         self.callbacks_handler.execute("on_train_begin")
         while self.epoch < num_epochs:
             self.callbacks_handler.execute("on_epoch_begin")

@@ -1,0 +1,43 @@
+"""A torchrun-style script, run unchanged: `ddpkit run -n 2 examples/train.py --epochs 3` (or torchrun)."""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+import ddpkit
+from ddpkit.examples.digits import digits_datasets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")  # reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    train_set, val_set = digits_datasets()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_sampler = ddpkit.DistributedSamplerWrapper(RandomSampler(train_set))  # each rank its share
+    train_loader = DataLoader(train_set, batch_size=32, sampler=train_sampler)
+    for _ in range(args.epochs):  # a new iteration is a new epoch: no set_epoch to forget
+        for inputs, targets in train_loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(inputs), targets).backward()  # DDP all-reduces the gradients
+            optimizer.step()
+
+    val_sampler = ddpkit.DistributedSamplerWrapper(SequentialSampler(val_set))
+    with torch.no_grad():
+        predictions = torch.cat([model(x).argmax(1) for x, _ in DataLoader(val_set, 256, sampler=val_sampler)])
+    predictions = ddpkit.gather_in_order(predictions, val_sampler)  # every sample once, in order
+    if dist.get_rank() == 0:
+        accuracy = (predictions == val_set.tensors[1]).double().mean().item()
+        print(f"{dist.get_world_size()} ranks, {args.epochs} epochs: validation accuracy {accuracy:.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
