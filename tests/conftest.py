@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -35,3 +37,31 @@ def _no_process_group_left() -> Iterator[None]:
 def _close_test_pools() -> Iterator[None]:
     yield
     close_pools()
+
+
+# --- tests under a real scheduler: `slurm` needs a running Slurm cluster, `mpi` an mpirun ---------
+
+#: Set (to 1) where the cluster must be there, as in CI: the slurm and mpi tests then fail instead of skipping.
+REQUIRE_SCHEDULERS = "DDPKIT_REQUIRE_SCHEDULERS"
+
+
+def _slurm_missing() -> str | None:
+    if shutil.which("srun") is None or shutil.which("sbatch") is None:
+        return "no srun/sbatch on the PATH (bring a test cluster up with tools/slurm-up.sh)"
+    try:
+        subprocess.run(["sinfo", "-h"], check=True, capture_output=True, timeout=10)
+    except (subprocess.SubprocessError, OSError):
+        return "Slurm is installed but its controller does not answer (tools/slurm-up.sh brings it up)"
+    return None
+
+
+def _mpi_missing() -> str | None:
+    return None if shutil.which("mpirun") is not None else "no mpirun on the PATH (apt-get install openmpi-bin)"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker, missing in (("slurm", _slurm_missing), ("mpi", _mpi_missing)):
+        if item.get_closest_marker(marker) is not None and (reason := missing()) is not None:
+            if os.environ.get(REQUIRE_SCHEDULERS, "0") not in ("", "0"):
+                pytest.fail(f"{REQUIRE_SCHEDULERS} is set and the {marker} test cannot run: {reason}")
+            pytest.skip(reason)

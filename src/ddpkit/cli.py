@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from ddpkit import __version__
 from ddpkit._agent_log import VERBOSE_VARIABLE
+from ddpkit._watchdog import hang_timeout
 from ddpkit.environments import detect_environment
 from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
-from ddpkit.launch import launch, run_script
+from ddpkit.launch import launch, run_script, scheduler_environment
 
 __all__ = ["build_parser", "main"]
 
@@ -167,21 +168,32 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("run", ValueError("SCRIPT is required (or --doctor)"), status=2)
     if args.verbose:
         os.environ[VERBOSE_VARIABLE] = "1"
+    options = {
+        "nprocs": args.nprocs,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "rdzv_endpoint": args.rdzv_endpoint,
+        "run_id": args.rdzv_id,
+        "max_restarts": args.max_restarts,
+        "module": args.module,
+        "join_timeout": args.join_timeout,
+        "timeout": args.timeout,
+        "rdzv_conf": args.rdzv_conf,
+    }
+    if scheduler_environment() is not None:
+        # srun, mpirun: the script runs in this process, and its own errors (a ValueError included)
+        # end it as they would end `python script.py`: with their traceback and exit status 1.
+        try:
+            hang_timeout(args.timeout)
+        except ValueError as error:
+            return _fail("run", error, status=2)
+        try:
+            run_script(args.script, args.script_args, **options)
+        except (RendezvousFailedError, ClusterEnvironmentError) as error:  # before the script starts
+            return _fail("run", error)
+        return 0
     try:
-        run_script(
-            args.script,
-            args.script_args,
-            nprocs=args.nprocs,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            rdzv_endpoint=args.rdzv_endpoint,
-            run_id=args.rdzv_id,
-            max_restarts=args.max_restarts,
-            module=args.module,
-            join_timeout=args.join_timeout,
-            timeout=args.timeout,
-            rdzv_conf=args.rdzv_conf,
-        )
+        run_script(args.script, args.script_args, **options)
     except (WorkerFailedError, RendezvousFailedError, PortTakenError, ClusterEnvironmentError) as error:
         return _fail("run", error)
     except ValueError as error:

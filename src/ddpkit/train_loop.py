@@ -33,6 +33,7 @@ from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.evaluation import predict_in_order
 from ddpkit.launch import launch, scheduler_environment
+from ddpkit.preemption import PreemptionHandler
 from ddpkit.process_group import get_rank, get_world_size, is_distributed, rank_device
 from ddpkit.step_plan import Accumulation, GlobalBatch, GlobalSteps, TrainingEpochs, average_gradients
 
@@ -71,6 +72,12 @@ class TrainLoop:
             (``fit_distributed(nnodes="MIN:MAX")``) then ends where an unresized
             one does, up to rounding, if ``training_step`` returns a mean over
             the batch's items and draws no random numbers (as dropout does).
+        requeue: in a SLURM task with a ``checkpoint_dir``, SIGUSR1 (``#SBATCH
+            --signal=USR1@90``) or SIGTERM (preemption, ``scancel``) makes every
+            rank save a checkpoint at the next optimizer step and stop with
+            :class:`~ddpkit.preemption.Preempted`; with ``requeue=True`` (default
+            ``False``) rank 0 first runs ``scontrol requeue $SLURM_JOB_ID``, and
+            the requeued job resumes at the exact batch.
 
     Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``,
     ``validation_loader``, ``test_loader``, ``device``, ``callbacks_handler``,
@@ -96,6 +103,7 @@ class TrainLoop:
         seed: int = 0,
         progress: bool = True,
         global_batch_size: int | None = None,
+        requeue: bool = False,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
@@ -112,6 +120,7 @@ class TrainLoop:
         self.checkpoint_every = checkpoint_every
         self.seed = seed
         self.progress = progress
+        self.preemption = PreemptionHandler(requeue)
         self.callbacks_handler = CallbacksHandler(self)
         self.ddp_handler: DDPHandler | None = None
         self.ddp_model: nn.Module | None = None
@@ -198,20 +207,21 @@ class TrainLoop:
             tqdm.write(line := resume_line(self, num_epochs))
             log.info(line)
         self.callbacks_handler.execute("on_train_begin")
-        while self.epoch < num_epochs:
-            self.callbacks_handler.execute("on_epoch_begin")
-            loss = self._train_epoch(model, grad_accumulation, num_epochs)
-            self.history["train_loss"].append(loss)
-            metrics = self.evaluate(self.validation_loader) if self.validation_loader is not None else {}
-            for name, value in metrics.items():
-                self.history[f"validation_{name}"].append(value)
-            if get_rank() == 0:
-                tqdm.write(line := epoch_line(self.epoch, num_epochs, loss, metrics, self.step_times))
-                log.info(line)
-            self.callbacks_handler.execute("on_epoch_end")
-            self.epoch += 1
-            if self.checkpoint_dir is not None:
-                self._save_checkpoint(position=0)
+        with self.preemption.watching(self.checkpoint_dir is not None):
+            while self.epoch < num_epochs:
+                self.callbacks_handler.execute("on_epoch_begin")
+                loss = self._train_epoch(model, grad_accumulation, num_epochs)
+                self.history["train_loss"].append(loss)
+                metrics = self.evaluate(self.validation_loader) if self.validation_loader is not None else {}
+                for name, value in metrics.items():
+                    self.history[f"validation_{name}"].append(value)
+                if get_rank() == 0:
+                    tqdm.write(line := epoch_line(self.epoch, num_epochs, loss, metrics, self.step_times))
+                    log.info(line)
+                self.callbacks_handler.execute("on_epoch_end")
+                self.epoch += 1
+                if self.checkpoint_dir is not None:
+                    self._save_checkpoint(position=0)
         self.callbacks_handler.execute("on_train_end")
         return dict(self.history)
 
@@ -376,7 +386,12 @@ class TrainLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         self.callbacks_handler.execute("on_batch_end")
-        if self.checkpoint_every and self.checkpoint_dir is not None and self.global_step % self.checkpoint_every == 0:
+        if signum := self.preemption.agreed_signal():  # SLURM's warning or stop reached some rank
+            self._save_checkpoint(position)
+            self.preemption.stop(signum, self.global_step, str(self.checkpoint_dir))
+        elif (
+            self.checkpoint_every and self.checkpoint_dir is not None and self.global_step % self.checkpoint_every == 0
+        ):
             self._save_checkpoint(position)
 
     def _save_checkpoint(self, position: int) -> None:
