@@ -89,10 +89,12 @@ def test_srun_on_two_nodes_runs_a_plain_torch_script_and_a_train_loop_in_each_ta
 @pytest.mark.slurm
 @pytest.mark.timeout(120)
 def test_doctor_runs_as_a_slurm_job(tmp_path: Path) -> None:
-    result = _run(["srun", "-N", "2", "-n", "2", *DDPKIT, "doctor"], tmp_path)
+    result = _run(["srun", "-N", "2", "-n", "2", *DDPKIT, "doctor", "--plot", str(tmp_path / "bw.png")], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "ddpkit doctor: 2 ranks, backend gloo" in result.stdout
     assert "connectivity: ok" in result.stdout
+    assert f"bandwidth plot: {tmp_path / 'bw.png'}" in result.stdout
+    assert (tmp_path / "bw.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.slurm
@@ -163,7 +165,7 @@ _PREEMPTIBLE = textwrap.dedent(
     loop = ddpkit.TrainLoop(
         model, DataLoader(train, batch_size=32, shuffle=True), DataLoader(val, batch_size=256),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=5, progress=False, requeue=True,
+        checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=5, progress=False, requeue=sys.argv[2] == "1",
     )
     loop.fit(2, callbacks=[Steps()])
     if ddpkit.get_rank() == 0:
@@ -172,7 +174,7 @@ _PREEMPTIBLE = textwrap.dedent(
 )
 
 
-def _preemptible_job(out: Path) -> str:
+def _preemptible_job(out: Path, requeue: bool = True) -> str:
     (out / "train.py").write_text(_PREEMPTIBLE)
     return textwrap.dedent(
         f"""\
@@ -181,7 +183,7 @@ def _preemptible_job(out: Path) -> str:
         #SBATCH --ntasks-per-node=1
         #SBATCH --requeue
         #SBATCH --open-mode=append
-        srun --kill-on-bad-exit=1 {sys.executable} {out / "train.py"} {out}
+        srun --kill-on-bad-exit=1 {sys.executable} {out / "train.py"} {out} {int(requeue)}
         """
     )
 
@@ -222,6 +224,35 @@ def test_sigusr1_checkpoints_at_the_next_step_requeues_and_the_job_ends_bit_iden
     assert second == list(range(stop + 1, 47)), "resumed right after the step that saved, 23 steps per epoch"
     final = torch.load(plain / "weights.pt", weights_only=True)
     for name, tensor in torch.load(signalled / "weights.pt", weights_only=True).items():
+        assert torch.equal(tensor, final[name]), f"{name} differs from the uninterrupted job's"
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_scancel_saves_at_the_next_step_and_a_new_submission_resumes_there(tmp_path: Path) -> None:
+    """SIGTERM (`scancel`, as preemption sends it) without requeue: the job stops with its state saved;
+    submitting it again goes on from the step after the signal and ends as an uninterrupted job."""
+    plain, cancelled = tmp_path / "plain", tmp_path / "cancelled"
+    plain.mkdir(), cancelled.mkdir()
+    shown, output = _wait(_submit(_preemptible_job(plain, requeue=False), plain), plain)
+    assert "JobState=COMPLETED" in shown, shown + output
+
+    job = _submit(_preemptible_job(cancelled, requeue=False), cancelled)
+    deadline = time.monotonic() + 120
+    while len(_steps(cancelled)) < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _run(["scancel", job], cancelled).returncode == 0
+    shown, output = _wait(job, cancelled)
+    assert "JobState=CANCELLED" in shown, shown
+    stop = max(step for _, step in _steps(cancelled))
+    assert f"ddpkit: SIGTERM at step {stop}: checkpoint saved in {cancelled / 'ckpt'}; requeue=False" in output
+    assert not (cancelled / "weights.pt").exists(), "the code after fit did not run"
+
+    shown, output = _wait(_submit(_preemptible_job(cancelled, requeue=False), cancelled), cancelled)
+    assert "JobState=COMPLETED" in shown, shown + output
+    assert [step for _, step in _steps(cancelled)] == list(range(1, 47)), "every step once, in order"
+    final = torch.load(plain / "weights.pt", weights_only=True)
+    for name, tensor in torch.load(cancelled / "weights.pt", weights_only=True).items():
         assert torch.equal(tensor, final[name]), f"{name} differs from the uninterrupted job's"
 
 

@@ -8,7 +8,15 @@ logging handlers, no process group.
 from __future__ import annotations
 
 from ddpkit.batches import move_data_to_device
-from ddpkit.callbacks import Callback, CallbacksHandler, DistributedSamplerSetEpoch
+from ddpkit.callbacks import (
+    Callback,
+    CallbacksHandler,
+    CSVLogger,
+    DistributedSamplerSetEpoch,
+    EarlyStopping,
+    ModelCheckpoint,
+    TensorBoardLogger,
+)
 from ddpkit.checkpoint import load_checkpoint, save_checkpoint
 from ddpkit.collectives import (
     AllGatherGrad,
@@ -75,6 +83,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AllGatherGrad",
+    "CSVLogger",
     "Callback",
     "CallbacksHandler",
     "ClusterEnvironment",
@@ -87,14 +96,17 @@ __all__ = [
     "DDPSamplerWrapper",
     "DistributedSamplerSetEpoch",
     "DistributedSamplerWrapper",
+    "EarlyStopping",
     "HangError",
     "KubeflowEnvironment",
     "LSFEnvironment",
     "LocalEnvironment",
     "MPIEnvironment",
+    "ModelCheckpoint",
     "PortTakenError",
     "RendezvousFailedError",
     "SLURMEnvironment",
+    "TensorBoardLogger",
     "TorchElasticEnvironment",
     "TrainLoop",
     "WarningDDP",

@@ -117,6 +117,7 @@ class TrainState:
     rng: list[dict[str, Any]]
     history: dict[str, list[float]] = field(default_factory=dict)
     batch: int | None = None
+    callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def capture(cls, loop: Any, position: int) -> TrainState:
@@ -138,6 +139,7 @@ class TrainState:
             world_size=get_world_size(),
             rng=rngs,
             history={name: list(values) for name, values in loop.history.items()},
+            callbacks=loop.callbacks_handler.state_dicts(),
         )
 
     @classmethod
@@ -165,6 +167,7 @@ class TrainState:
             position = self.batch * self.world_size * loop._epochs.entries_per_batch
         loop.epoch, loop._resume_position, loop.global_step = self.epoch, position, self.global_step
         loop.history = defaultdict(list, self.history)
+        loop.callbacks_handler.load_state_dicts(self.callbacks)
         first = get_rank() == 0 and position > 0  # rank 0 carries the partial sums of all ranks
         loop._epoch_sums = self.epoch_sums.cpu() if first else torch.zeros(2, dtype=torch.float64)
         if self.world_size != get_world_size() and loop.global_batch is None:

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--peer-timeout", type=float, default=10.0, help="seconds to wait for each peer's message (default 10)"
     )
+    doctor.add_argument(
+        "--plot", default=None, metavar="PATH", help="also write a PNG of bandwidth against message size here"
+    )
     doctor.set_defaults(handler=_doctor)
 
     env = commands.add_parser("env", help="print the detected cluster environment as JSON")
@@ -101,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=None, help="SGD learning rate (default 0.1), momentum 0.9")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--logdir",
+        default=None,
+        metavar="DIR",
+        help="write TensorBoard logs, metrics.csv and history.png (the curves) here (classification)",
+    )
     demo.set_defaults(handler=_demo)
     return parser
 
@@ -228,6 +237,11 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"ddpkit doctor: ranks {ranks} of this node took part; rank 0's node prints the report")
         return 0
     print(report.format())
+    if getattr(args, "plot", None) and report.measurements:
+        from ddpkit.plotting import plot_bandwidth
+
+        rows = [(m.operation, m.nbytes, m.seconds) for m in report.measurements]
+        print(f"bandwidth plot: {plot_bandwidth(rows, args.plot)}")
     return 0 if report.ok else 1
 
 
@@ -273,7 +287,7 @@ def _classification_job(args: argparse.Namespace) -> Callable[[], str]:
     from ddpkit.examples.demo import DemoConfig, run_demo
 
     lr = 0.1 if args.lr is None else args.lr
-    config = DemoConfig(args.epochs, args.batch_size, lr, args.seed, progress=not args.no_progress)
+    config = DemoConfig(args.epochs, args.batch_size, lr, args.seed, progress=not args.no_progress, logdir=args.logdir)
 
     def job() -> str:
         result = run_demo(args.nprocs, config)

@@ -33,6 +33,7 @@ from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.evaluation import predict_in_order
 from ddpkit.launch import launch, scheduler_environment
+from ddpkit.plotting import plot_history
 from ddpkit.preemption import PreemptionHandler
 from ddpkit.process_group import get_rank, get_world_size, is_distributed, rank_device
 from ddpkit.step_plan import Accumulation, GlobalBatch, GlobalSteps, TrainingEpochs, average_gradients
@@ -127,6 +128,10 @@ class TrainLoop:
         #: The epoch being trained (0-based), and optimizer steps taken in all.
         self.epoch = 0
         self.global_step = 0
+        #: Set by a callback (e.g. :class:`~ddpkit.EarlyStopping`, on every rank) to end :meth:`fit` after this epoch.
+        self.should_stop = False
+        #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``).
+        self.step_loss = torch.zeros(2, dtype=torch.float64)
         #: Per-epoch numbers: ``train_loss`` and ``validation_<metric>``.
         self.history: dict[str, list[float]] = defaultdict(list)
         self._resume_position = 0
@@ -208,7 +213,7 @@ class TrainLoop:
             log.info(line)
         self.callbacks_handler.execute("on_train_begin")
         with self.preemption.watching(self.checkpoint_dir is not None):
-            while self.epoch < num_epochs:
+            while self.epoch < num_epochs and not self.should_stop:
                 self.callbacks_handler.execute("on_epoch_begin")
                 loss = self._train_epoch(model, grad_accumulation, num_epochs)
                 self.history["train_loss"].append(loss)
@@ -282,6 +287,15 @@ class TrainLoop:
         self.epoch = num_epochs
         return history
 
+    def plot_history(self, path: str | Path) -> Path:
+        """Write a PNG of every curve of :attr:`history` (losses in one panel); its path.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'ddpkit[plot]'``).
+            ValueError: nothing trained yet.
+        """
+        return plot_history(self.history, path)
+
     def evaluate(self, loader: DataLoader[Any] | None = None) -> dict[str, float]:
         """Metrics of ``loader`` (default the validation loader), computed on every sample exactly once.
 
@@ -341,6 +355,7 @@ class TrainLoop:
         position, self._resume_position = self._resume_position, 0
         if not position:
             self._epoch_sums = torch.zeros(2, dtype=torch.float64)
+        self._sums_before_step = self._epoch_sums.clone()
         assert self._epochs is not None
         steps: Accumulation | GlobalSteps | None = self._epochs.begin(position, accumulation)
         loader = self.train_loader
@@ -385,6 +400,7 @@ class TrainLoop:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        self.step_loss, self._sums_before_step = self._epoch_sums - self._sums_before_step, self._epoch_sums.clone()
         self.callbacks_handler.execute("on_batch_end")
         if signum := self.preemption.agreed_signal():  # SLURM's warning or stop reached some rank
             self._save_checkpoint(position)

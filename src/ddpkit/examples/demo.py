@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ddpkit.callbacks import Callback, CSVLogger, TensorBoardLogger
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.launch import scheduler_environment
 from ddpkit.process_group import (
@@ -55,6 +56,8 @@ class DemoConfig:
         lr: SGD learning rate (default 0.1, momentum 0.9).
         seed: seeds the split, the initial weights and the shuffling (default 0).
         progress: show a progress bar on rank 0.
+        logdir: if set, TensorBoard logs, ``metrics.csv`` and ``history.png``
+            (the curves) go to this directory.
     """
 
     epochs: int = 10
@@ -62,6 +65,7 @@ class DemoConfig:
     lr: float = 0.1
     seed: int = 0
     progress: bool = True
+    logdir: str | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -134,7 +138,12 @@ def run_demo(nprocs: int = 2, config: DemoConfig | None = None) -> DemoResult:
     loop = digits_train_loop(config)
     scheduler = scheduler_environment()
     started = time.perf_counter()
-    history = loop.fit_distributed(config.epochs, num_processes=nprocs, backend="gloo")
+    callbacks: list[Callback] | None = None
+    if config.logdir is not None:
+        callbacks = [TensorBoardLogger(config.logdir, 10), CSVLogger(Path(config.logdir) / "metrics.csv", 10)]
+    history = loop.fit_distributed(config.epochs, num_processes=nprocs, callbacks=callbacks, backend="gloo")
+    if config.logdir is not None and (scheduler is None or scheduler.global_rank() == 0):
+        loop.plot_history(Path(config.logdir) / "history.png")
     world_size = scheduler.world_size() if scheduler is not None else nprocs
     return _result(loop, history, world_size, time.perf_counter() - started)
 

@@ -1,4 +1,4 @@
-"""Training-loop callbacks: ``Callback``, ``CallbacksHandler``, aitoolbox's ``DistributedSamplerSetEpoch``."""
+"""The callback protocol: ``Callback``, ``CallbacksHandler``, aitoolbox's ``DistributedSamplerSetEpoch``."""
 
 from __future__ import annotations
 
@@ -38,6 +38,14 @@ class Callback:
     def on_train_end(self, train_loop: Any) -> None:
         """After the last epoch."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of this callback; saved in ``TrainLoop``'s checkpoints (plain values only:
+        numbers, strings, lists, dicts). Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (before ``on_train_begin`` of a resumed run)."""
+
 
 class CallbacksHandler:
     """The callbacks of one train loop (aitoolbox's ``callbacks_handler``)."""
@@ -64,6 +72,25 @@ class CallbacksHandler:
         """Run ``event`` on every callback."""
         for callback in self.callbacks:
             getattr(callback, event)(self.train_loop)
+
+    def state_dicts(self) -> dict[str, dict[str, Any]]:
+        """Every callback's :meth:`~Callback.state_dict` that is not empty, keyed by class name and occurrence."""
+        return {key: state for key, callback in self._keyed() if (state := callback.state_dict())}
+
+    def load_state_dicts(self, states: dict[str, dict[str, Any]]) -> None:
+        """Give each registered callback its state from :meth:`state_dicts` (those not in ``states`` keep theirs)."""
+        for key, callback in self._keyed():
+            if key in states:
+                callback.load_state_dict(states[key])
+
+    def _keyed(self) -> list[tuple[str, Callback]]:
+        seen: dict[str, int] = {}
+        keyed = []
+        for callback in self.callbacks:
+            name = type(callback).__name__
+            seen[name] = seen.get(name, -1) + 1
+            keyed.append((f"{name}-{seen[name]}", callback))
+        return keyed
 
 
 class DistributedSamplerSetEpoch(Callback):

@@ -1,0 +1,16 @@
+"""Callbacks of ``TrainLoop``: the protocol, aitoolbox's sampler epochs, loggers, early stopping, best weights."""
+
+from ddpkit.callbacks.base import Callback, CallbacksHandler, DistributedSamplerSetEpoch, Event
+from ddpkit.callbacks.loggers import CSVLogger, TensorBoardLogger
+from ddpkit.callbacks.monitors import EarlyStopping, ModelCheckpoint
+
+__all__ = [
+    "CSVLogger",
+    "Callback",
+    "CallbacksHandler",
+    "DistributedSamplerSetEpoch",
+    "EarlyStopping",
+    "Event",
+    "ModelCheckpoint",
+    "TensorBoardLogger",
+]
