@@ -90,8 +90,8 @@ def register_ddp_comm_hook(
             ``"batched_powersgd"``, ``"post_localsgd"``. ``None`` registers nothing.
         ddp_comm_wrapper: a wrapper such as ``fp16_compress_wrapper`` that
             compresses around the hook, or ``"fp16"``/``"bf16"``.
-        state: the same as ``ddp_comm_state`` (the seed's post-local-SGD example
-            passes it so).
+        state: the same as ``ddp_comm_state`` (the post-local-SGD example in
+            Lightning's documentation of this function passes it so).
 
     Post-local SGD also needs a model averager after ``optimizer.step()``
     (``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager``).
