@@ -208,9 +208,12 @@ def test_sigusr1_checkpoints_at_the_next_step_requeues_and_the_job_ends_bit_iden
     while len(_steps(signalled)) < 12 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _run(["scancel", "--signal=USR1", job], signalled).returncode == 0
-    # SLURM makes a requeued job wait 120 s (its BeginTime) before it may start again; start it now.
-    while time.monotonic() < deadline and "Restarts=1" not in _run(["scontrol", "show", "job", job], signalled).stdout:
+    # SLURM holds a requeued job for 120 s (its BeginTime) before it may start again: start it sooner, but
+    # not within the second of the requeue, whose job credential slurmd has revoked (whole seconds).
+    pending = re.compile(r"JobState=PENDING.*Restarts=1", re.S)
+    while time.monotonic() < deadline and not pending.search(_run(["scontrol", "show", "job", job], signalled).stdout):
         time.sleep(0.2)
+    time.sleep(2)
     _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], signalled)
     shown, output = _wait(job, signalled, timeout=120)
     assert "JobState=COMPLETED" in shown, shown + output
