@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpkit._failures import read_records
+from ddpkit._failures import earliest, hang_record, read_records
 
 __all__ = ["VERBOSE_VARIABLE", "AgentLog", "agent_log", "is_verbose"]
 
@@ -64,14 +64,14 @@ class AgentLog:
     def cause(self) -> str:
         """Why this attempt's workers stopped, the first failure first (as ``WorkerFailedError`` decides)."""
         records = read_records(self.failure_dir)
-        hang = next((r for r in records.values() if "hang" in r), None)
+        hang = hang_record(records)
         if hang is not None:
             return str(hang["error"])
         killed = sorted(local for local, code in self.exits.items() if code < 0)
         if killed:
             return f"local rank {killed[0]} was killed by signal {_signal_name(self.exits[killed[0]])}"
-        if records:
-            first = min(records.values(), key=lambda r: float(r["time"]))
+        first = earliest(records)
+        if first is not None:
             return f"rank {first['rank']} failed: {str(first['error']).partition(chr(10))[0]}"
         if self.exits:
             local, code = min(self.exits.items())

@@ -22,7 +22,8 @@ from ddpkit.errors import HangError, WorkerFailedError
 
 __all__ = [
     "FAILURE_DIR_VARIABLE",
-    "first_failed_rank",
+    "earliest",
+    "hang_record",
     "read_records",
     "worker_failed_error",
     "write_hang_record",
@@ -98,12 +99,14 @@ def read_records(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]
     return {int(r["rank"]): r for r in sorted(latest, key=lambda r: "hang" in r)}  # the hang record wins
 
 
-def first_failed_rank(directory: str | os.PathLike[str]) -> int | None:
-    """The rank of the earliest record of the last attempt that left any (``None``: no record)."""
-    records = read_records(directory)
-    if not records:
-        return None
-    return int(min(records.values(), key=lambda r: float(r["time"]))["rank"])
+def earliest(records: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The record written first (the root cause on one machine), or ``None`` for no records."""
+    return min(records.values(), key=lambda r: float(r["time"])) if records else None
+
+
+def hang_record(records: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The watchdog's record of a hang, if one was written (it wins over any other)."""
+    return next((r for r in records.values() if "hang" in r), None)
 
 
 def worker_failed_error(err: Any, records: dict[int, dict[str, Any]]) -> WorkerFailedError:
@@ -117,7 +120,7 @@ def worker_failed_error(err: Any, records: dict[int, dict[str, Any]]) -> WorkerF
     failures: dict[int, str] = {rank: str(r["error"]) for rank, r in records.items()}
     for rank, failure in err.failures.items():
         failures.setdefault(rank, _agent_failure_text(failure)[0])
-    hang = next((r for r in records.values() if "hang" in r), None)
+    hang = hang_record(records)
     if hang is not None:
         details = hang["hang"]
         return HangError(
@@ -130,8 +133,8 @@ def worker_failed_error(err: Any, records: dict[int, dict[str, Any]]) -> WorkerF
         rank = min(killed)
         text, trace = _agent_failure_text(err.failures[rank])
         return WorkerFailedError(rank, err.failures[rank].exitcode, text, trace, failures)
-    if records:
-        first = min(records.values(), key=lambda r: float(r["time"]))
+    first = earliest(records)
+    if first is not None:
         return WorkerFailedError(
             int(first["rank"]), int(first["exitcode"]), first["error"], first["traceback"], failures
         )

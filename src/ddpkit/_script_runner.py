@@ -14,7 +14,7 @@ import runpy
 import sys
 
 from ddpkit._agent_log import is_verbose
-from ddpkit._failures import FAILURE_DIR_VARIABLE, first_failed_rank, write_record
+from ddpkit._failures import FAILURE_DIR_VARIABLE, earliest, read_records, write_record
 from ddpkit._orphans import children_die_with_this_process, die_with_parent
 from ddpkit._stores import serve_on_loopback
 from ddpkit._watchdog import enable_flight_recorder, hang_timeout, start_watchdog
@@ -38,8 +38,8 @@ def main() -> None:
             raise
         # The agent's summary shows the first failure's traceback (and the log file every rank's):
         # one line here, and none for the ranks that merely lost a peer that had failed.
-        rank, first = int(os.environ.get("RANK", "0")), first_failed_rank(directory)
-        if first in (None, rank):
+        rank, first = int(os.environ.get("RANK", "0")), earliest(read_records(directory))
+        if first is None or int(first["rank"]) == rank:
             print(f"[rank{rank}]: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}", file=sys.stderr)
         raise SystemExit(1) from None
 
