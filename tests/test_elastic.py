@@ -259,7 +259,7 @@ def test_a_checkpoint_of_ddpkit_0_1_resumes_at_its_batch(tmp_path: Path) -> None
     with pytest.raises(KeyboardInterrupt):
         loop(tmp_path / "new").fit(1, callbacks=[_StopAfter(6)])  # the checkpoint of step 5 stays
     state = load_checkpoint(tmp_path / "new" / CHECKPOINT_FILE)
-    assert (state.pop("version"), state["position"]) == (2, 5 * 32)
+    assert (state.pop("version"), state["position"], state.pop("stream")) == (3, 5 * 32, None)
     state["batch"] = state.pop("position") // 32
     save_checkpoint({"version": 1, **state}, tmp_path / "old" / CHECKPOINT_FILE)
     new, old = loop(tmp_path / "new"), loop(tmp_path / "old")

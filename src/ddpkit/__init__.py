@@ -61,8 +61,9 @@ from ddpkit.loaders import (
     check_loaders_is_patched,
     extract_loader_parameters,
     patch_dataloader_to_ddp,
+    stream_loader,
 )
-from ddpkit.ordered import gather_in_order
+from ddpkit.ordered import gather_in_order, gather_stream_in_order
 from ddpkit.process_group import (
     barrier,
     destroy_dist_connection,
@@ -77,6 +78,7 @@ from ddpkit.process_group import (
     seed_everything,
 )
 from ddpkit.samplers import DDPSamplerWrapper, DistributedSamplerWrapper
+from ddpkit.streams import ShardedStream, StreamDataLoader
 from ddpkit.train_loop import TrainLoop
 
 __version__ = "0.2.0"
@@ -106,6 +108,8 @@ __all__ = [
     "PortTakenError",
     "RendezvousFailedError",
     "SLURMEnvironment",
+    "ShardedStream",
+    "StreamDataLoader",
     "TensorBoardLogger",
     "TorchElasticEnvironment",
     "TrainLoop",
@@ -123,6 +127,7 @@ __all__ = [
     "extract_loader_parameters",
     "gather_all_tensors",
     "gather_in_order",
+    "gather_stream_in_order",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -142,6 +147,7 @@ __all__ = [
     "run_script",
     "save_checkpoint",
     "seed_everything",
+    "stream_loader",
     "sync_ddp",
     "sync_ddp_if_available",
     "sync_dicts_ddp",

@@ -101,10 +101,14 @@ class TrainState:
         history: the per-epoch numbers so far (``train_loss``, ``validation_*``).
         batch: in checkpoints of ddpkit 0.1 (version 1), the position as batches
             of ``epoch`` each rank had done; ``None`` since.
+        callbacks: each callback's ``state_dict()``, by callback.
+        stream: for a training stream part-way through ``epoch``, the items
+            every rank has taken (plain data: the stream skips them on resume);
+            ``None`` otherwise. ``position`` then counts the batches all ranks took.
     """
 
-    #: The layout of the fields; version 1 (ddpkit 0.1) is read too, others are refused.
-    VERSION: ClassVar[int] = 2
+    #: The layout of the fields; versions 1 (ddpkit 0.1) and 2 (without ``stream``) are read too, others refused.
+    VERSION: ClassVar[int] = 3
 
     model: dict[str, Any]
     optimizer: dict[str, Any]
@@ -118,6 +122,7 @@ class TrainState:
     history: dict[str, list[float]] = field(default_factory=dict)
     batch: int | None = None
     callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stream: list[Any] | None = None
 
     @classmethod
     def capture(cls, loop: Any, position: int) -> TrainState:
@@ -127,6 +132,7 @@ class TrainState:
         epoch's partial loss (two small collectives).
         """
         rngs = all_gather_object(rng_state())
+        stream = loop._epochs.stream_state() if position else None
         epoch_sums = sync_ddp(loop._epoch_sums.clone()) if position else torch.zeros(2, dtype=torch.float64)
         return cls(
             model=loop.model.state_dict(),
@@ -140,6 +146,7 @@ class TrainState:
             rng=rngs,
             history={name: list(values) for name, values in loop.history.items()},
             callbacks=loop.callbacks_handler.state_dicts(),
+            stream=stream,
         )
 
     @classmethod
@@ -166,6 +173,8 @@ class TrainState:
         if self.batch is not None:  # ddpkit 0.1: batches per rank
             position = self.batch * self.world_size * loop._epochs.entries_per_batch
         loop.epoch, loop._resume_position, loop.global_step = self.epoch, position, self.global_step
+        if position:
+            loop._epochs.resume_stream(self.stream)
         loop.history = defaultdict(list, self.history)
         loop.callbacks_handler.load_state_dicts(self.callbacks)
         first = get_rank() == 0 and position > 0  # rank 0 carries the partial sums of all ranks
@@ -212,7 +221,7 @@ class TrainState:
         version = state.pop("version", None)
         if version == 1:
             state["position"] = 0  # restore() takes it from "batch"
-        elif version != cls.VERSION:
+        elif version not in (2, cls.VERSION):
             raise ValueError(
                 f"{path} is a checkpoint of version {version!r}; this ddpkit reads TrainLoop checkpoints of versions "
                 f"1 to {cls.VERSION}. Start from another checkpoint_dir, or resume with the ddpkit that wrote it"

@@ -10,7 +10,8 @@ from torch.utils.data import DistributedSampler, RandomSampler
 
 from ddpkit.callbacks import DistributedSamplerSetEpoch
 from ddpkit.collectives import mp_sync, mp_sync_dict
-from ddpkit.loaders import build_loader_sampler, distributed_sampler_of
+from ddpkit.loaders import build_loader_sampler, distributed_sampler_of, stream_loader
+from ddpkit.streams import is_stream
 
 __all__ = ["LOADER_ATTRIBUTES", "DDPHandler"]
 
@@ -44,7 +45,10 @@ class DDPHandler:
         validation and test loaders are left uneven (no duplicates), which
         :func:`~ddpkit.gather_in_order` turns into exact metrics. A loader with a
         ``RandomSampler`` is shuffled as ``DistributedSampler(shuffle=True, seed=seed)``. Loaders that are
-        already sharded are kept. Registers a :class:`~ddpkit.DistributedSamplerSetEpoch`.
+        already sharded are kept. A loader over an ``IterableDataset`` becomes a
+        :class:`~ddpkit.StreamDataLoader` (:func:`~ddpkit.stream_loader`: the
+        stream split over ranks and workers; aitoolbox refuses streams).
+        Registers a :class:`~ddpkit.DistributedSamplerSetEpoch`.
 
         Args:
             world_size: world size of the distributed training.
@@ -52,10 +56,14 @@ class DDPHandler:
         """
         loop = self.train_loop_obj
         seed = int(getattr(loop, "seed", 0))
-        generators = []
+        generators, streams = [], []
         for name, for_evaluation in LOADER_ATTRIBUTES:
             loader = getattr(loop, name, None)
             if loader is None:
+                continue
+            if is_stream(loader):  # no sampler: the stream is split inside the dataset
+                streams.append(stream_loader(loader, world_size=world_size, rank=rank))
+                setattr(loop, name, streams[-1])
                 continue
             existing = distributed_sampler_of(loader)
             if existing is not None:
@@ -77,6 +85,7 @@ class DDPHandler:
             self.samplers.get("test_loader"),
             generators=generators,
             seed=seed,
+            streams=streams,
         )
         loop.callbacks_handler.register_callbacks([self.callback])  # a list, as aitoolbox's handler expects
 

@@ -4,7 +4,9 @@ Used by :meth:`ddpkit.TrainLoop.evaluate`. A loader that is not sharded yet is
 sharded without padding (each sample on exactly one rank); one that is (padded,
 say) keeps its shards, and :func:`~ddpkit.gather_in_order` drops the padded
 duplicates. Every rank gets the whole split's predictions and targets, in the
-order one process would have produced them.
+order one process would have produced them. A loader over a stream reads each
+rank's part of it once (no padding) and :func:`~ddpkit.gather_stream_in_order`
+puts the results in stream order.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data._utils.collate import default_collate
 
-from ddpkit.loaders import build_loader_sampler, distributed_sampler_of
-from ddpkit.ordered import gather_in_order
+from ddpkit.loaders import build_loader_sampler, distributed_sampler_of, stream_loader
+from ddpkit.ordered import gather_in_order, gather_stream_in_order
 from ddpkit.process_group import get_rank, get_world_size
+from ddpkit.streams import StreamBatch, StreamDataLoader, is_stream
 
 __all__ = ["predict_in_order", "sharded_for_evaluation"]
 
@@ -42,23 +46,43 @@ def predict_in_order(
     ``model`` runs in eval mode without gradients and is put back in the mode
     it was in, also when ``predict_step`` raises.
     """
-    loader, sampler = sharded_for_evaluation(loader)
+    if is_stream(loader):
+        stream = stream_loader(loader)
+        batches: Any = stream.iter_tagged("join")
+    else:
+        loader, sampler = sharded_for_evaluation(loader)
+        batches = (StreamBatch(batch, _NO_KEYS) for batch in loader)
     was_training = model.training
     model.eval()
     predictions: list[torch.Tensor] = []
     targets: list[torch.Tensor] = []
+    keys: list[torch.Tensor] = []
     try:
         with torch.no_grad():
-            for batch in loader:
-                output, target = predict_step(model, to_device(batch))
+            for tagged in batches:
+                output, target = predict_step(model, to_device(tagged.batch))
                 predictions.append(output.detach())
                 targets.append(target.detach())
+                keys.append(tagged.keys)
             if not predictions:  # an empty shard still needs the right shapes
-                output, target = predict_step(model, to_device(_first_batch(loader)))
-                predictions, targets = [output[:0]], [target[:0]]
+                first = _first_stream_batch(stream) if is_stream(loader) else _first_batch(loader)
+                output, target = predict_step(model, to_device(first))
+                predictions, targets, keys = [output[:0]], [target[:0]], [torch.zeros(0, 3, dtype=torch.int64)]
     finally:
         model.train(was_training)
+    if is_stream(loader):
+        order = torch.cat(keys)
+        return gather_stream_in_order(torch.cat(predictions), order), gather_stream_in_order(torch.cat(targets), order)
     return gather_in_order(torch.cat(predictions), sampler), gather_in_order(torch.cat(targets), sampler)
+
+
+_NO_KEYS = torch.zeros(0, 3, dtype=torch.int64)
+
+
+def _first_stream_batch(loader: StreamDataLoader) -> Any:
+    """The stream's first item, collated as a batch (for the shapes of a rank whose part is empty)."""
+    collate = loader.collate_fn.collate_fn or default_collate  # type: ignore[union-attr]
+    return collate([next(iter(loader.stream.dataset))])
 
 
 def _first_batch(loader: DataLoader[Any]) -> Any:

@@ -28,6 +28,7 @@ from torch.utils.data import (
 from ddpkit.errors import WarningDDP
 from ddpkit.process_group import is_distributed
 from ddpkit.samplers import DDPSamplerWrapper, DistributedSamplerWrapper
+from ddpkit.streams import ShardedStream, StreamDataLoader, StreamEnds, is_stream
 
 __all__ = [
     "build_loader_sampler",
@@ -35,6 +36,7 @@ __all__ = [
     "distributed_sampler_of",
     "extract_loader_parameters",
     "patch_dataloader_to_ddp",
+    "stream_loader",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,17 +79,21 @@ def patch_dataloader_to_ddp(loader: DataLoader[Any]) -> DataLoader[Any]:
     every rank gets the same number (``pad_data_to_num_gpus=True``) and not
     shuffled between ranks. Every other ``DataLoader`` argument is kept.
 
+    A loader over an ``IterableDataset`` (which has no sampler; OML raises)
+    becomes a :class:`~ddpkit.StreamDataLoader`: the stream is split over the
+    ranks and the loader's workers (:class:`~ddpkit.ShardedStream`) and every
+    rank yields the same number of batches (``ends="even"``), see
+    :func:`stream_loader`.
+
     Without a process group the loader is returned unchanged, with a
     :class:`~ddpkit.WarningDDP`.
-
-    Raises:
-        TypeError: the loader reads an ``IterableDataset``, which has no sampler
-            to shard (shard the stream inside the dataset instead).
     """
     if not is_distributed():
         warnings.warn(patch_dataloader_to_ddp.__name__, WarningDDP, stacklevel=2)
         return loader
-    _refuse_iterable(loader, "patch_dataloader_to_ddp")
+    if is_stream(loader):
+        log.info("DataLoader over the stream '%s' is updated to DDP mode", type(loader.dataset).__name__)
+        return stream_loader(loader)
     batch_sampler = loader.batch_sampler
     if type(batch_sampler) is BatchSampler:
         sampler = DDPSamplerWrapper(
@@ -175,6 +181,43 @@ def build_loader_sampler(
     return loader, sampler
 
 
+def stream_loader(
+    loader: DataLoader[Any], ends: StreamEnds | None = None, world_size: int | None = None, rank: int | None = None
+) -> StreamDataLoader:
+    """``loader`` (over an ``IterableDataset``) rebuilt to read its rank's part of the stream.
+
+    The stream is wrapped in a :class:`~ddpkit.ShardedStream` (unless it is
+    one) and read by a :class:`~ddpkit.StreamDataLoader`; every other
+    ``DataLoader`` argument is kept. A ``StreamDataLoader`` is returned as it
+    is (with ``ends`` set, if given).
+
+    Args:
+        loader: a loader over a stream.
+        ends: :data:`~ddpkit.streams.StreamEnds` (default ``"even"``, or the
+            ``StreamDataLoader``'s own).
+        world_size, rank: as for :class:`~ddpkit.ShardedStream` (default: the process group's).
+
+    Raises:
+        TypeError: the loader does not read an ``IterableDataset``.
+    """
+    if not is_stream(loader):
+        kind = type(loader.dataset).__name__
+        raise TypeError(f"stream_loader needs a DataLoader over an IterableDataset, got one over a {kind}")
+    if isinstance(loader, StreamDataLoader):
+        if ends is not None:
+            loader.ends = ends
+        return loader
+    stream = loader.dataset
+    if not isinstance(stream, ShardedStream):
+        stream = ShardedStream(stream, world_size, rank)
+    kwargs = extract_loader_parameters(loader, ignore_data_related_parameters=True)
+    if loader.batch_size is not None:
+        kwargs.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+    else:
+        kwargs.update(batch_size=None)
+    return StreamDataLoader(stream, ends=ends or "even", **kwargs)
+
+
 def _rebatched(loader: DataLoader[Any], sampler: Any, batch_size: int | None, drop_last: bool) -> DataLoader[Any]:
     kwargs = extract_loader_parameters(loader, ignore_data_related_parameters=True)
     return DataLoader(loader.dataset, sampler=sampler, batch_size=batch_size, drop_last=drop_last, **kwargs)
@@ -183,7 +226,7 @@ def _rebatched(loader: DataLoader[Any], sampler: Any, batch_size: int | None, dr
 def _refuse_iterable(loader: DataLoader[Any], what: str) -> None:
     if isinstance(loader.dataset, IterableDataset):
         raise TypeError(
-            f"{what} cannot shard a DataLoader over an IterableDataset ({type(loader.dataset).__name__}): it has no "
-            "sampler. Split the stream inside the dataset instead, e.g. keep items where "
-            "index % world_size == rank (ddpkit.get_rank(), ddpkit.get_world_size())"
+            f"{what} cannot give a DataLoader over an IterableDataset ({type(loader.dataset).__name__}) a sampler: "
+            "a stream has none. Use ddpkit.stream_loader(loader), which splits the stream over the ranks and the "
+            "loader's workers (ddpkit.ShardedStream)"
         )

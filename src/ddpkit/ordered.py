@@ -14,7 +14,7 @@ from ddpkit.loaders import distributed_sampler_of
 from ddpkit.process_group import get_rank, get_world_size, is_distributed
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout
 
-__all__ = ["gather_in_order"]
+__all__ = ["gather_in_order", "gather_stream_in_order"]
 
 
 def gather_in_order(
@@ -82,6 +82,66 @@ def gather_in_order(
         return _place(local_results, [(*layout.rank_items(own_rank), local_results)], layout)
     parts = gather_values("gather_in_order", value, group).parts[None]
     return _place(local_results, [(*layout.rank_items(r), part) for r, part in enumerate(parts)], layout)
+
+
+def gather_stream_in_order(
+    local_results: torch.Tensor | np.ndarray | list[Any], keys: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> Any:
+    """Every rank's results over a stream, in stream order, each item once: ``gather_in_order`` for streams.
+
+    Each rank passes its results (one row or list item per item it processed)
+    and their keys, as :meth:`~ddpkit.StreamDataLoader.iter_tagged` gave them
+    (:attr:`~ddpkit.streams.StreamBatch.keys`, concatenated). Every rank gets
+    back all results ordered by ``(shard, offset)``, the order one process
+    reading the stream sees them; an item that occurs more than once (the
+    padding of ``ends="even"``) is kept once. One uneven gather plus a sort.
+    Every rank of ``group`` must call it.
+
+    Args:
+        local_results: a tensor or numpy array with one row per item, or a list with one entry per item.
+        keys: ``(items, k)`` int64 with ``k >= 2``: shard and offset in the shard first.
+        group: the process group; default the whole world.
+
+    Returns:
+        A tensor (on ``local_results``' device), numpy array or list, of the
+        same kind as ``local_results``, one row per distinct key.
+
+    Raises:
+        ValueError: ``keys`` is not ``(items, k >= 2)`` integers, or its row
+            count differs from the results' (on every rank, naming the counts).
+        TypeError: ``local_results`` is not a tensor, array or list (on every rank).
+        CollectiveMismatchError: ranks passed different kinds, dtypes or trailing shapes.
+    """
+    distributed = is_distributed()
+    value: dict[Any, Value] | BaseException
+    try:
+        rows = _rows(local_results)
+        if keys.dim() != 2 or keys.shape[1] < 2 or keys.is_floating_point() or keys.shape[0] != rows:
+            raise ValueError(
+                f"rank {get_rank(group) if distributed else 0} passed {rows} results and keys of shape "
+                f"{tuple(keys.shape)} ({keys.dtype}); keys must be ({rows}, k >= 2) integers: shard, offset, ..."
+            )
+        value = {"results": Value(local_results, "results"), "keys": Value(keys[:, :2].to("cpu", torch.int64), "keys")}
+    except (TypeError, ValueError) as exc:
+        if not distributed:
+            raise
+        value = exc
+    if distributed:
+        gathered = gather_values("gather_stream_in_order", value, group)
+        results, all_keys = gathered.join("results"), gathered.join("keys").cpu()
+    else:
+        results, all_keys = local_results, keys[:, :2].to("cpu", torch.int64)
+    order = np.lexsort((all_keys[:, 1].numpy(), all_keys[:, 0].numpy()))
+    ordered_keys = all_keys.numpy()[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = np.any(ordered_keys[1:] != ordered_keys[:-1], axis=1)
+    keep = order[first]
+    if isinstance(results, list):
+        return [results[i] for i in keep.tolist()]
+    if isinstance(results, np.ndarray):
+        return results[keep]
+    index = torch.from_numpy(keep)
+    return results.to(local_results.device)[index.to(local_results.device)]  # type: ignore[union-attr]
 
 
 def _layout_of(sampler: Any) -> tuple[EpochLayout, int]:

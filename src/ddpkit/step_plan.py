@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpkit.collectives import all_gather_object
 from ddpkit.process_group import get_world_size, is_distributed
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout, epoch_seed
+from ddpkit.streams import StreamDataLoader, StreamProgress
 
 __all__ = ["Accumulation", "GlobalBatch", "GlobalSteps", "TrainingEpochs", "average_gradients"]
 
@@ -43,7 +45,7 @@ class Accumulation:
 
     Attributes:
         accumulation: batches per optimizer step on each rank.
-        batches: this rank's batches in the epoch (from ``start`` on).
+        batches: this rank's batches in the epoch (from ``start`` on); ``None`` for a stream.
         start: the entry position the epoch resumed at (0 at its beginning).
         entries_per_round: entries all ranks' ``i``-th batches hold together
             (``W`` times the entries of one batch).
@@ -51,7 +53,7 @@ class Accumulation:
     """
 
     accumulation: int
-    batches: int
+    batches: int | None
     start: int = 0
     entries_per_round: int = 1
     entry_count: int | None = None
@@ -64,7 +66,8 @@ class Accumulation:
         return self.start // self.entries_per_round
 
     def ends_step(self, index: int) -> bool:
-        """Whether this rank's batch ``index`` (counted from ``start``) ends an optimizer step."""
+        """Whether this rank's batch ``index`` (counted from ``start``) ends an optimizer step (a stream's last
+        batch, whose count is not known ahead, ends one too: :meth:`TrainingEpochs.batches` says which)."""
         return (self.offset + index + 1) % self.accumulation == 0 or index + 1 == self.batches
 
     def divisor(self, index: int) -> int:
@@ -217,11 +220,13 @@ class TrainingEpochs:
         world_size: the number of ranks.
 
     With a global batch the sampler deals every item out once (no padding, no
-    dropping), and for an item loader the world size is checked at once.
+    dropping), and for an item loader the world size is checked at once. A
+    loader over a stream (:class:`~ddpkit.StreamDataLoader`) has no global
+    order: its positions count the batches all ranks took.
 
     Raises:
         TypeError: a global batch with a sampler that is not ddpkit's wrapper.
-        ValueError: a global batch with ``drop_last=True``, or that this world size cannot reach.
+        ValueError: a global batch with ``drop_last=True``, with a stream, or that this world size cannot reach.
     """
 
     def __init__(
@@ -229,6 +234,16 @@ class TrainingEpochs:
         world_size: int,
     ) -> None:  # fmt: skip
         self.loader, self.sampler, self.global_batch = loader, sampler, global_batch
+        #: The loader, when it reads a stream.
+        self.stream = loader if isinstance(loader, StreamDataLoader) else None
+        if self.stream is not None:
+            self.entries_per_batch, self.entries_per_round = 1, world_size
+            if global_batch is not None:
+                raise ValueError(
+                    f"global_batch_size={global_batch.size} needs a training set with a global order (a map-style "
+                    "dataset); a stream has none. Use grad_accumulation with a stream"
+                )
+            return
         batch_sampler_entries = isinstance(loader.batch_sampler, DistributedSampler) or loader.batch_size is None
         #: Sampler entries per loader batch: 1 for a batch sampler, the batch size for an item sampler.
         self.entries_per_batch = 1 if batch_sampler_entries else int(loader.batch_size or 1)
@@ -262,12 +277,49 @@ class TrainingEpochs:
     def begin(self, position: int, accumulation: int) -> Accumulation | None:
         """Start an epoch at entry ``position`` (0: its beginning); its steps, or ``None`` for a global batch
         (:meth:`global_steps`, once the loader has started the epoch)."""
+        if self.stream is not None:  # a resumed epoch's items taken are skipped by the stream itself
+            return Accumulation(accumulation, None, position, self.entries_per_round)
         if position:
             self.wrapper("resuming part-way through an epoch").set_position(position)
         if self.global_batch is not None:
             return None
         count = self.sampler.entry_count if isinstance(self.sampler, DistributedSamplerWrapper) else None
         return Accumulation(accumulation, len(self.loader), position, self.entries_per_round, count)
+
+    def batches(self) -> Iterator[tuple[Any, float, bool]]:
+        """The epoch's batches on this rank: ``(batch, weight, last)``.
+
+        ``weight`` multiplies the batch's loss: 0 for a stream's padding batch
+        under ``ends="join"`` (a rank whose part ran out takes part in the others'
+        steps without adding to them), else 1. ``last``: a stream's last batch
+        (every rank's at the same index), which ends a step.
+        """
+        if self.stream is None:
+            yield from ((batch, 1.0, False) for batch in self.loader)
+            return
+        join = self.stream.ends == "join"
+        tagged = self.stream.iter_tagged("even" if join else None, count=False)
+        ahead = next(tagged, None)
+        while ahead is not None:
+            current, ahead = ahead, next(tagged, None)
+            if not current.padding:  # taken when used (a checkpoint after this step skips it), not when read
+                self.stream.progress.add(current.keys)
+            yield current.batch, 0.0 if join and current.padding else 1.0, ahead is None
+
+    def batch_count(self) -> int | None:
+        """This rank's batches in an epoch (``None`` for a stream)."""
+        return None if self.stream is not None else len(self.loader)
+
+    def stream_state(self) -> list[Any] | None:
+        """The items of a stream every rank has taken this epoch (every rank calls it); ``None`` without a stream."""
+        if self.stream is None:
+            return None
+        return StreamProgress.merged(all_gather_object(self.stream.progress.state()))
+
+    def resume_stream(self, consumed: list[Any] | None) -> None:
+        """Skip the items ``consumed`` lists (:meth:`stream_state`) in the next epoch of the stream."""
+        if self.stream is not None and consumed:
+            self.stream.resume(consumed)
 
     def global_steps(self, seed: int, epoch: int) -> GlobalSteps:
         """The global batch's steps of the epoch the sampler has dealt out."""

@@ -293,6 +293,9 @@ def _worker_main(
 ) -> None:
     parent = multiprocessing.parent_process()
     die_with_parent(parent.pid if parent is not None else None)
+    # Tasks may start DataLoader workers, which multiprocessing refuses to a daemon process. This worker
+    # dies with its parent anyway (above), and DataLoader workers watch theirs.
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
     faulthandler.enable()
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -358,17 +358,17 @@ class TrainLoop:
         self._sums_before_step = self._epoch_sums.clone()
         assert self._epochs is not None
         steps: Accumulation | GlobalSteps | None = self._epochs.begin(position, accumulation)
-        loader = self.train_loader
         done = position // self._epochs.entries_per_round
+        count = self._epochs.batch_count()
         bar = tqdm(
-            loader, total=done + len(loader), initial=done, unit="batch", leave=False,
-            desc=f"epoch {self.epoch + 1}/{num_epochs}", disable=not (self.progress and get_rank() == 0),
+            self._epochs.batches(), total=None if count is None else done + count, initial=done, unit="batch",
+            leave=False, desc=f"epoch {self.epoch + 1}/{num_epochs}", disable=not (self.progress and get_rank() == 0),
         )  # fmt: skip
-        busy, previous = 0.0, time.perf_counter()
-        for index, batch in enumerate(bar):
+        busy, previous, batches = 0.0, time.perf_counter(), 0
+        for index, (batch, weight, last) in enumerate(bar):
             steps = steps or self._epochs.global_steps(self.seed, self.epoch)
             batch = self.batch_to_device(batch)
-            ends_step = steps.ends_step(index)
+            ends_step = steps.ends_step(index) or last
             if (seed := steps.batch_seed(index)) is not None:
                 torch.manual_seed(seed)
             # DDP decides at the forward whether this backward all-reduces: both go inside.
@@ -379,20 +379,19 @@ class TrainLoop:
                 busy += time.perf_counter() - previous  # loading and forward: before this step's all-reduce
                 if synced and ends_step and self._forward_calls == calls:
                     raise skipped_model_error(self, done + index)
-                (loss / steps.divisor(index)).backward()  # type: ignore[no-untyped-call]
-            count = batch_length(batch)
-            self._epoch_sums += torch.tensor([float(loss.detach()) * count, count], dtype=torch.float64)
+                (loss * weight / steps.divisor(index)).backward()  # type: ignore[no-untyped-call]
+            items = batch_length(batch) * weight  # a padding batch of a stream's ends="join" counts nothing
+            self._epoch_sums += torch.tensor([float(loss.detach()) * items, items], dtype=torch.float64)
             if ends_step:
                 self._optimizer_step(steps.position_after(index))
-            previous = time.perf_counter()
+            previous, batches = time.perf_counter(), batches + 1
         steps = steps or self._epochs.global_steps(self.seed, self.epoch)
         if isinstance(steps, GlobalSteps) and steps.final_step:  # a last, smaller step: not every rank had a batch
             average_gradients(self.model.parameters())
             self._optimizer_step(steps.end)
         summed = sync_ddp(self._epoch_sums.clone())
         if synced:
-            batches = max(1, len(loader))
-            self.step_times = [1000 * t for t in mp_sync(busy / batches, True).tolist()]
+            self.step_times = [1000 * t for t in mp_sync(busy / max(1, batches), True).tolist()]
         return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
 
     def _optimizer_step(self, position: int) -> None:

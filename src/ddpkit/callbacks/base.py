@@ -107,6 +107,7 @@ class DistributedSamplerSetEpoch(Callback):
             starting a loader's iterator never draws from the global RNG and
             depends on the epoch only.
         seed: the base seed for ``generators``.
+        streams: loaders over streams (:class:`~ddpkit.StreamDataLoader`) whose epoch to set too.
     """
 
     def __init__(
@@ -116,8 +117,10 @@ class DistributedSamplerSetEpoch(Callback):
         test_sampler: DistributedSampler[Any] | None = None,
         generators: Iterable[torch.Generator] = (),
         seed: int = 0,
+        streams: Iterable[Any] = (),
     ) -> None:
-        self.samplers = [s for s in (train_sampler, validation_sampler, test_sampler) if s is not None]
+        self.samplers: list[Any] = [s for s in (train_sampler, validation_sampler, test_sampler) if s is not None]
+        self.samplers += list(streams)
         self.generators = list(generators)
         self.seed = seed
 

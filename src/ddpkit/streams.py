@@ -1,0 +1,378 @@
+"""Streamed data under DDP: an ``IterableDataset`` split over ranks and DataLoader workers, and even ends.
+
+A stream has no sampler to shard, so the split happens inside the dataset.
+:class:`ShardedStream` reads the wrapped stream and keeps one *unit*'s part:
+unit ``rank * workers + worker`` of ``U = world_size * workers`` (``workers``
+is the DataLoader's ``num_workers``, at least 1). A dataset that exposes
+shards (``num_shards`` and ``iter_shard(i)``, e.g. files) is split by shard
+when ``U`` divides the shard count (unit ``u`` reads shards ``u, u + U, ...``,
+nothing else is read); otherwise by example (every unit reads the stream and
+keeps items ``u, u + U, ...``), as Hugging Face's ``split_dataset_by_node``.
+
+Every item has a key ``(shard, offset in shard, index in stream)`` (the index
+is ``-1`` when split by shard). :class:`StreamDataLoader` carries the keys
+beside each batch: they give evaluation its order back
+(:func:`~ddpkit.gather_stream_in_order`) and a checkpoint the items consumed,
+so a resumed epoch neither replays nor skips any.
+
+Streams end unevenly (ranks get different numbers of batches); the choice of
+:data:`StreamEnds` says what then happens, agreed by one small all-reduce per
+batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+from ddpkit.process_group import collective_device, get_rank, get_world_size, is_distributed
+
+__all__ = ["ShardedStream", "StreamBatch", "StreamDataLoader", "StreamEnds", "StreamProgress", "is_stream"]
+
+#: What happens when the ranks' shares of a stream end at different batches:
+#:
+#: * ``"even"`` (default): every rank yields as many batches as the longest;
+#:   a rank that ran out repeats its first batches of the epoch (padding, as
+#:   ``DistributedSampler`` pads), flagged :attr:`StreamBatch.padding`.
+#: * ``"drop"``: every rank stops when the first runs out (the others' last
+#:   batches are not used).
+#: * ``"join"``: each rank yields exactly its share (no collective); wrap the
+#:   training step in ``torch.distributed.algorithms.Join([ddp_model])`` so
+#:   the ranks still stepping do not hang. ``TrainLoop`` does it differently:
+#:   a rank that ran out steps along on a padding batch whose loss counts zero.
+StreamEnds = Literal["even", "drop", "join"]
+Split = Literal["auto", "shard", "example"]
+_ENDS = ("even", "drop", "join")
+#: Padding cycles through at most this many of a rank's first batches of the epoch.
+_PADDING_BATCHES = 8
+
+
+def is_stream(loader: DataLoader[Any]) -> bool:
+    """Whether ``loader`` reads an ``IterableDataset`` (which has no sampler to shard)."""
+    return isinstance(loader.dataset, IterableDataset)
+
+
+class ShardedStream(IterableDataset[Any]):
+    """One rank's part of an ``IterableDataset``, split again over the DataLoader's workers.
+
+    Usable on its own (``DataLoader(ShardedStream(stream), batch_size=32,
+    num_workers=2)``: each worker reads its part) or through
+    :class:`StreamDataLoader`, which ``patch_dataloader_to_ddp``, ``DDPHandler``
+    and ``TrainLoop`` build for a loader over a stream. Hugging Face's
+    ``split_dataset_by_node`` and Accelerate's ``IterableDatasetShard`` do the
+    same job (Accelerate reads every item on every rank).
+
+    Args:
+        dataset: the stream. To be split by shard it has ``num_shards`` (int)
+            and ``iter_shard(index)`` (an iterator over shard ``index``'s items,
+            the stream being shards ``0, 1, ...`` in order); ``set_epoch`` is
+            forwarded to it if it has one.
+        world_size: ranks to split over (default: the process group's size, 1 without one).
+        rank: this process's rank (default: its rank in the process group).
+        split: ``"auto"`` (default: by shard when the dataset has shards and
+            ranks x workers divides their number, else by example), ``"shard"``
+            (always by shard: units may get different numbers of shards, or
+            none) or ``"example"``.
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, world_size)``, an unknown ``split``,
+            or ``split="shard"`` for a dataset without shards.
+    """
+
+    def __init__(
+        self, dataset: Any, world_size: int | None = None, rank: int | None = None, *, split: Split = "auto"
+    ) -> None:
+        if world_size is None:
+            world_size = get_world_size()
+        if rank is None:
+            rank = get_rank() if is_distributed() else 0
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if split not in ("auto", "shard", "example"):
+            raise ValueError(f"split={split!r} must be 'auto', 'shard' or 'example'")
+        if split == "shard" and _num_shards(dataset) is None:
+            raise ValueError(
+                f"split='shard' needs a dataset with num_shards and iter_shard(index); {type(dataset).__name__} "
+                "has not: use split='example'"
+            )
+        self.dataset = dataset
+        self.world_size, self.rank, self.split = world_size, rank, split
+        self.epoch = 0
+        #: The items a resumed epoch skips (read from a checkpoint); used by the next iteration only.
+        self.consumed: tuple[Any, ...] = ()
+        self._keyed = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (forwarded to the wrapped dataset's ``set_epoch``, if any)."""
+        self.epoch = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def split_for(self, workers: int) -> Literal["shard", "example"]:
+        """How the stream is split over ``world_size`` x ``max(workers, 1)`` units for the next iteration."""
+        shards = _num_shards(self.dataset)
+        if shards is None or self.split == "example" or any(layer[0] == "example" for layer in self.consumed):
+            return "example"  # (a resumed epoch that was split by example goes on by example: only it knows indices)
+        if self.split == "shard" or shards % (self.world_size * max(workers, 1)) == 0:
+            return "shard"
+        return "example"
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        units, unit = self.world_size * workers, self.rank * workers + worker
+        skip = _Consumed(self.consumed)
+        if self.split_for(workers) == "shard":
+            shards = _num_shards(self.dataset)
+            assert shards is not None
+            keyed = (
+                ((shard, offset, -1), item)
+                for shard in range(unit, shards, units)
+                for offset, item in enumerate(self.dataset.iter_shard(shard))
+            )
+        else:
+            keyed = (
+                ((shard, offset, unit + k * units), item)
+                for k, (shard, offset, item) in enumerate(itertools.islice(_read_all(self.dataset), unit, None, units))
+            )
+        if skip:
+            keyed = ((key, item) for key, item in keyed if not skip(key))
+        return keyed if self._keyed else (item for _, item in keyed)
+
+
+@dataclass(frozen=True)
+class StreamBatch:
+    """One batch of a :class:`StreamDataLoader` with what it holds.
+
+    Attributes:
+        batch: the batch, as the loader's ``collate_fn`` made it.
+        keys: ``(items, 3)`` int64: each item's shard, offset in that shard, and
+            index in the whole stream (``-1`` when the stream was split by shard).
+        padding: a repeat of an earlier batch (``ends="even"``), not new data.
+    """
+
+    batch: Any
+    keys: torch.Tensor
+    padding: bool = False
+
+
+class StreamDataLoader(DataLoader[Any]):
+    """A ``DataLoader`` over a :class:`ShardedStream` whose ranks end together (or join), with items' keys.
+
+    Takes every ``DataLoader`` argument (no sampler: a stream has none).
+    Iterating it yields batches as a ``DataLoader`` does; :meth:`iter_tagged`
+    also says which items each holds. Every rank must iterate it together
+    (``ends="even"`` and ``"drop"`` agree on the end by one all-reduce of a
+    2-element tensor per batch).
+
+    Args:
+        dataset: a :class:`ShardedStream` (another ``IterableDataset`` is wrapped in one).
+        ends: :data:`StreamEnds` (default ``"even"``: every rank takes the same
+            number of steps, as with ``DistributedSampler``, so a plain training
+            loop cannot hang and no item is dropped; ``"join"`` repeats none,
+            but a hand-written loop needs torch's ``Join``).
+        *args, **kwargs: ``DataLoader``'s.
+
+    Raises:
+        ValueError: an unknown ``ends``; while iterating with ``"even"``: some
+            rank has no batch at all to pad with (on every rank).
+    """
+
+    def __init__(self, dataset: Any, *args: Any, ends: StreamEnds = "even", **kwargs: Any) -> None:
+        if ends not in _ENDS:
+            raise ValueError(f"ends={ends!r} must be one of {', '.join(map(repr, _ENDS))}")
+        stream = copy.copy(dataset) if isinstance(dataset, ShardedStream) else ShardedStream(dataset)
+        stream._keyed = True
+        kwargs["collate_fn"] = _KeyedCollate(kwargs.get("collate_fn"))
+        self.ends = ends
+        #: The items this rank has taken in the current epoch (by the consumers of :meth:`iter_tagged`).
+        self.progress = StreamProgress()
+        self._padding: list[tuple[torch.Tensor, Any]] = []
+        self._iterator_state: tuple[Any, ...] | None = None
+        super().__init__(stream, *args, **kwargs)
+
+    @property
+    def stream(self) -> ShardedStream:
+        """The :class:`ShardedStream` read."""
+        assert isinstance(self.dataset, ShardedStream)
+        return self.dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the stream's epoch (see :meth:`ShardedStream.set_epoch`)."""
+        self.stream.set_epoch(epoch)
+
+    def resume(self, consumed: list[Any]) -> None:
+        """Skip, in the next epoch iterated, the items ``consumed`` lists (a :meth:`StreamProgress.merged` state)."""
+        self.stream.consumed = tuple(consumed)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        for tagged in self.iter_tagged(self.ends):
+            yield tagged.batch
+
+    def iter_tagged(self, ends: StreamEnds | None = None, count: bool = True) -> Iterator[StreamBatch]:
+        """The epoch's batches with their keys, the ends as ``ends`` (default the loader's) say.
+
+        With ``count`` (default), the items of every batch it yields (not padding)
+        count as taken in :attr:`progress` (a consumer that reads ahead counts
+        them itself, when it uses them: ``progress.add(batch.keys)``).
+
+        Raises:
+            ValueError: ``ends="even"`` and some rank has no batch to pad with (on every rank).
+        """
+        ends = self.ends if ends is None else ends
+        stream = self.stream
+        self.progress = StreamProgress(stream.split_for(self.num_workers), stream.world_size * max(self.num_workers, 1))
+        self.progress.previous = list(stream.consumed)
+        state = (stream.epoch, stream.consumed)
+        if self.persistent_workers and state != self._iterator_state:
+            self._iterator = None  # persistent workers hold the stream as it was when they started
+        self._iterator_state = state
+        source = super().__iter__()
+        stream.consumed = ()  # the workers have their copy (or the fetcher its iterator): only this epoch skips
+        world_size = get_world_size()
+        agree = ends != "join" and world_size > 1
+        device = collective_device() if agree else None
+        padded, fresh = 0, True
+        while True:
+            try:
+                keys, batch = next(source)
+                has = True
+            except StopIteration:
+                has = False
+            if agree:
+                cannot_pad = not has and not self._padding
+                flags = torch.tensor([int(has), int(cannot_pad)], dtype=torch.int64, device=device)
+                dist.all_reduce(flags)
+                having, unpaddable = (int(v) for v in flags.tolist())
+            else:
+                having, unpaddable = (world_size if has else 0), 0
+            if having == 0 or (ends == "drop" and having < world_size):
+                return
+            if unpaddable:
+                raise ValueError(
+                    f"{unpaddable} rank(s) got no batch of this stream to pad with (ends='even'): the stream has "
+                    f"fewer items than ranks x workers x batch size. Use ends='join' or a longer stream"
+                )
+            if has:
+                if fresh:
+                    self._padding, fresh = [], False
+                if len(self._padding) < _PADDING_BATCHES:
+                    self._padding.append((keys, batch))
+                if count:
+                    self.progress.add(keys)
+                yield StreamBatch(batch, keys)
+                continue
+            keys, batch = self._padding[padded % len(self._padding)]
+            padded += 1
+            yield StreamBatch(batch, keys, padding=True)
+
+
+class _KeyedCollate:
+    """Collate keyed items into ``(keys (n, 3) int64, collate_fn(items))`` (in the DataLoader's workers)."""
+
+    def __init__(self, collate_fn: Any) -> None:
+        while isinstance(collate_fn, _KeyedCollate):
+            collate_fn = collate_fn.collate_fn
+        self.collate_fn: Any = collate_fn
+
+    def __call__(self, keyed: Any) -> tuple[torch.Tensor, Any]:
+        if isinstance(keyed, tuple) and len(keyed) == 2 and isinstance(keyed[0], tuple):  # no automatic batching
+            key, item = keyed
+            return torch.tensor([key], dtype=torch.int64), (self.collate_fn or default_convert)(item)
+        keys = torch.tensor([key for key, _ in keyed], dtype=torch.int64).reshape(-1, 3)
+        return keys, (self.collate_fn or default_collate)([item for _, item in keyed])
+
+
+class StreamProgress:
+    """The items of an epoch of a stream one rank has taken, in a form a checkpoint stores (plain data).
+
+    A *layer* is ``["shard", [[shard, items taken], ...]]`` (split by shard:
+    each shard is read from its start by one unit) or ``["example", units,
+    [last index taken by each unit, or -1]]`` (split by example).
+    """
+
+    def __init__(self, split: Literal["shard", "example"] = "example", units: int = 1) -> None:
+        self.split, self.units = split, units
+        #: Layers of earlier runs of this epoch (a resumed epoch).
+        self.previous: list[Any] = []
+        self._shards: dict[int, int] = {}
+        self._last = [-1] * units
+
+    def add(self, keys: torch.Tensor) -> None:
+        """Count the items of a batch (its keys)."""
+        if self.split == "shard":
+            for shard, offset in keys[:, :2].tolist():
+                self._shards[shard] = max(self._shards.get(shard, 0), offset + 1)
+        else:
+            for index in keys[:, 2].tolist():
+                unit = index % self.units
+                self._last[unit] = max(self._last[unit], index)
+
+    def layer(self) -> list[Any]:
+        """This run's layer."""
+        if self.split == "shard":
+            return ["shard", sorted([shard, count] for shard, count in self._shards.items())]
+        return ["example", self.units, list(self._last)]
+
+    @staticmethod
+    def merged(every_rank: list[list[Any]]) -> list[Any]:
+        """One state from every rank's ``[*previous, layer]`` (the same previous layers, disjoint layers)."""
+        previous, layers = every_rank[0][:-1], [state[-1] for state in every_rank]
+        kind = layers[0][0]
+        if kind == "shard":
+            counts: dict[int, int] = {}
+            for layer in layers:
+                for shard, count in layer[1]:
+                    counts[shard] = max(counts.get(shard, 0), count)
+            return [*previous, ["shard", sorted([s, c] for s, c in counts.items())]]
+        last = [max(values) for values in zip(*(layer[2] for layer in layers), strict=True)]
+        return [*previous, ["example", layers[0][1], last]]
+
+    def state(self) -> list[Any]:
+        """``[*previous, layer]``."""
+        return [*self.previous, self.layer()]
+
+
+class _Consumed:
+    """Whether a key ``(shard, offset, index)`` was taken in an earlier run of the epoch (by any layer)."""
+
+    def __init__(self, layers: tuple[Any, ...]) -> None:
+        self.shards: list[dict[int, int]] = []
+        self.examples: list[tuple[int, list[int]]] = []
+        for layer in layers:
+            if layer[0] == "shard":
+                self.shards.append({int(s): int(c) for s, c in layer[1]})
+            else:
+                self.examples.append((int(layer[1]), [int(v) for v in layer[2]]))
+
+    def __bool__(self) -> bool:
+        return bool(self.shards or self.examples)
+
+    def __call__(self, key: tuple[int, int, int]) -> bool:
+        shard, offset, index = key
+        if any(offset < counts.get(shard, 0) for counts in self.shards):
+            return True
+        return any(index >= 0 and index <= last[index % units] for units, last in self.examples)
+
+
+def _num_shards(dataset: Any) -> int | None:
+    shards = getattr(dataset, "num_shards", None)
+    if isinstance(shards, int) and not isinstance(shards, bool) and callable(getattr(dataset, "iter_shard", None)):
+        return shards
+    return None
+
+
+def _read_all(dataset: Any) -> Iterator[tuple[int, int, Any]]:
+    """``(shard, offset, item)`` of the whole stream, shard by shard (one shard ``0`` without shards)."""
+    shards = _num_shards(dataset)
+    if shards is None:
+        return ((0, offset, item) for offset, item in enumerate(dataset))
+    return ((shard, offset, item) for shard in range(shards) for offset, item in enumerate(dataset.iter_shard(shard)))
