@@ -17,13 +17,14 @@ so a resumed epoch neither replays nor skips any.
 
 Streams end unevenly (ranks get different numbers of batches); the choice of
 :data:`StreamEnds` says what then happens, agreed by one small all-reduce per
-batch.
+8 batches read ahead.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,6 +54,8 @@ Split = Literal["auto", "shard", "example"]
 _ENDS = ("even", "drop", "join")
 #: Padding cycles through at most this many of a rank's first batches of the epoch.
 _PADDING_BATCHES = 8
+#: Batches read ahead per agreement: the ranks agree once per this many batches how many each yields.
+_AHEAD = 8
 
 
 def is_stream(loader: DataLoader[Any]) -> bool:
@@ -171,7 +174,7 @@ class StreamDataLoader(DataLoader[Any]):
     Iterating it yields batches as a ``DataLoader`` does; :meth:`iter_tagged`
     also says which items each holds. Every rank must iterate it together
     (``ends="even"`` and ``"drop"`` agree on the end by one all-reduce of a
-    2-element tensor per batch).
+    3-element tensor per 8 batches, while the next 8 are read).
 
     Args:
         dataset: a :class:`ShardedStream` (another ``IterableDataset`` is wrapped in one).
@@ -237,42 +240,52 @@ class StreamDataLoader(DataLoader[Any]):
         self._iterator_state = state
         source = super().__iter__()
         stream.consumed = ()  # the workers have their copy (or the fetcher its iterator): only this epoch skips
-        world_size = get_world_size()
-        agree = ends != "join" and world_size > 1
+        agree = ends != "join" and get_world_size() > 1
         device = collective_device() if agree else None
         padded, fresh = 0, True
-        while True:
-            try:
-                keys, batch = next(source)
-                has = True
-            except StopIteration:
-                has = False
-            if agree:
-                cannot_pad = not has and not self._padding
-                flags = torch.tensor([int(has), int(cannot_pad)], dtype=torch.int64, device=device)
-                dist.all_reduce(flags)
-                having, unpaddable = (int(v) for v in flags.tolist())
-            else:
-                having, unpaddable = (world_size if has else 0), 0
-            if having == 0 or (ends == "drop" and having < world_size):
-                return
-            if unpaddable:
+
+        def read() -> deque[tuple[torch.Tensor, Any]]:
+            chunk: deque[tuple[torch.Tensor, Any]] = deque(itertools.islice(source, _AHEAD))
+            return chunk
+
+        def agree_on(chunk: deque[Any]) -> Any:
+            """Start the all-reduce of (most, _AHEAD - least, some rank cannot pad) over the ranks' chunks."""
+            flags = [len(chunk), _AHEAD - len(chunk), int(not chunk and not self._padding)]
+            agreed = torch.tensor(flags, dtype=torch.int64, device=device)
+            return agreed, dist.all_reduce(agreed, op=dist.ReduceOp.MAX, async_op=True) if agree else None
+
+        chunk = read()
+        pending = agree_on(chunk)
+        while True:  # rounds: each rank's next _AHEAD batches, and one agreement on how many every rank yields
+            following = read() if len(chunk) == _AHEAD else deque()  # read on while the agreement is under way
+            agreed, work = pending
+            if work is not None:
+                work.wait()
+            most, least, unpaddable = int(agreed[0]), _AHEAD - int(agreed[1]), bool(agreed[2])
+            take = least if ends == "drop" else most
+            if take and unpaddable and least < most:
                 raise ValueError(
-                    f"{unpaddable} rank(s) got no batch of this stream to pad with (ends='even'): the stream has "
-                    f"fewer items than ranks x workers x batch size. Use ends='join' or a longer stream"
+                    "a rank got no batch of this stream to pad with (ends='even'): the stream has fewer items than "
+                    "ranks x workers x batch size. Use ends='join' or a longer stream"
                 )
-            if has:
-                if fresh:
-                    self._padding, fresh = [], False
-                if len(self._padding) < _PADDING_BATCHES:
-                    self._padding.append((keys, batch))
-                if count:
-                    self.progress.add(keys)
-                yield StreamBatch(batch, keys)
-                continue
-            keys, batch = self._padding[padded % len(self._padding)]
-            padded += 1
-            yield StreamBatch(batch, keys, padding=True)
+            for _ in range(take):
+                if chunk:
+                    keys, batch = chunk.popleft()
+                    if fresh:
+                        self._padding, fresh = [], False
+                    if len(self._padding) < _PADDING_BATCHES:
+                        self._padding.append((keys, batch))
+                    if count:
+                        self.progress.add(keys)
+                    yield StreamBatch(batch, keys)
+                else:
+                    keys, batch = self._padding[padded % len(self._padding)]
+                    padded += 1
+                    yield StreamBatch(batch, keys, padding=True)
+            if most < _AHEAD or (ends == "drop" and least < _AHEAD):
+                return  # every rank ran out in this round, or (drop) the first one did
+            chunk = following
+            pending = agree_on(chunk)
 
 
 class _KeyedCollate:
