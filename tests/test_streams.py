@@ -82,7 +82,7 @@ def _every_case() -> list[dict[str, Any]]:
     return [{"case": case, **_epoch(*case)} for case in cases]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_item_is_seen_once_per_epoch_for_every_end_split_and_worker_count(world_size: int) -> None:
     ranks = run_parallel(_every_case, world_size=world_size, timeout=120)
     for results in zip(*ranks, strict=True):
@@ -165,7 +165,7 @@ def _join_in_train_loop(ends: str) -> dict[str, Any]:
 
 
 def test_join_trains_ranks_with_uneven_step_counts_without_hanging_and_ends_with_equal_parameters() -> None:
-    rank0, rank1 = run_parallel(_join_in_train_loop, "join", timeout=20)
+    rank0, rank1 = run_parallel(_join_in_train_loop, "join", timeout=10)  # a hang fails within seconds
     assert (rank0["items"], rank1["items"]) == (40, 8)  # 5 batches against 1: nothing dropped or repeated
     assert rank0["steps"] == rank1["steps"] == 10
     for a, b in zip(rank0["weights"], rank1["weights"], strict=True):
@@ -188,7 +188,7 @@ def _own_loop_with_torch_join() -> dict[str, Any]:
 
 
 def test_ends_join_in_a_loop_of_ones_own_runs_under_torch_join() -> None:
-    rank0, rank1 = run_parallel(_own_loop_with_torch_join, timeout=20)
+    rank0, rank1 = run_parallel(_own_loop_with_torch_join, timeout=10)
     assert (rank0["batches"], rank1["batches"]) == (5, 1)
     for a, b in zip(rank0["weights"], rank1["weights"], strict=True):  # Join broadcasts the last joiner's model
         assert torch.equal(a, b)
