@@ -56,6 +56,20 @@ def _fail_first_attempt() -> tuple[int, bool, float]:
     return attempt, stale, total.item()
 
 
+def _forked_worker() -> dict[str, object]:
+    import numpy as np
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {
+        "marker": os.environ.get("DDPKIT_TEST_MARKER"),
+        "rank": os.environ["RANK"],
+        "numpy": float(np.random.random()),
+        "sum": total.item(),
+        "parent": os.getppid(),
+    }
+
+
 # --- tests ------------------------------------------------------------------------------------
 
 
@@ -82,6 +96,23 @@ def test_launch_returns_each_ranks_result_and_restores_the_caller() -> None:
     }
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers, "the agent's signal handlers are undone"
     assert dict(os.environ) == environ, "the agent's environment changes are undone"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_forkserver_workers_start_as_spawned_ones_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's environment is the first launch's; a worker sees the caller's at its own launch, its rank's
+    variables, a fresh numpy seed, and dies with the server (its parent), not at once."""
+    monkeypatch.setenv("DDPKIT_TEST_MARKER", "first")
+    first = launch(_forked_worker, nprocs=2, start_method="forkserver")
+    monkeypatch.setenv("DDPKIT_TEST_MARKER", "second")
+    second = launch(_forked_worker, nprocs=2, start_method="forkserver")
+    assert [first[r]["marker"] for r in (0, 1)] == ["first", "first"]
+    assert [second[r]["marker"] for r in (0, 1)] == ["second", "second"]
+    assert [second[r]["rank"] for r in (0, 1)] == ["0", "1"]
+    assert second[0]["sum"] == 2.0
+    assert first[0]["numpy"] != first[1]["numpy"]
+    assert first[0]["parent"] == second[0]["parent"] != os.getpid()  # one server, reused
 
 
 @pytest.mark.e2e

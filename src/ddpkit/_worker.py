@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddpkit._failures import write_record
@@ -43,6 +44,16 @@ class WorkerSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     backend: str | None = None
     timeout: float | None = None
+    #: How the worker was started ("spawn", "forkserver" or "fork").
+    start_method: str = "spawn"
+    #: The launching process's environment at the launch (a forkserver's children start from the server's).
+    environ: dict[str, str] | None = None
+
+
+#: The process that imported this module, and its environment then: in a forkserver that preloaded ddpkit,
+#: what its children inherit (the environment torch's launcher changed is the rank's own).
+_IMPORTED_IN = os.getpid()
+_FORKSERVER_ENVIRON = dict(os.environ)
 
 
 def scheduler_environment() -> ClusterEnvironment | None:
@@ -98,8 +109,12 @@ def worker_entry(payload: str | tuple[WorkerSpec, tuple[Any, ...]]) -> Any:
             spec, args = pickle.load(handle)
     else:
         spec, args = payload
-    parent = multiprocessing.parent_process()
-    die_with_parent(parent.pid if parent is not None else None)
+    if spec.start_method == "forkserver":
+        as_if_spawned(spec.environ)
+        die_with_parent(os.getppid())  # the forkserver, which exits when the launching process does
+    else:
+        parent = multiprocessing.parent_process()
+        die_with_parent(parent.pid if parent is not None else None)
     children_die_with_this_process()
     try:
         env = TorchElasticEnvironment()
@@ -107,6 +122,26 @@ def worker_entry(payload: str | tuple[WorkerSpec, tuple[Any, ...]]) -> Any:
         write_record(spec.failure_dir, exc)
         raise
     return run_as_rank(env, spec, args)
+
+
+def as_if_spawned(environ: dict[str, str] | None) -> None:
+    """Make a worker forked by the forkserver start as a spawned one does.
+
+    Its environment becomes the launching process's at the launch plus what
+    torch's launcher set for this rank (``RANK``, ...), instead of the one the
+    forkserver started with; numpy's global generator is seeded afresh (Python's
+    ``random`` reseeds itself after a fork).
+    """
+    if environ is not None:
+        current = dict(os.environ)
+        if os.getpid() != _IMPORTED_IN:  # preloaded by the forkserver: what differs from its environment is the rank's
+            launched = {k: v for k, v in current.items() if _FORKSERVER_ENVIRON.get(k) != v}
+        else:  # a forkserver someone else started: keep what the launching process lacked
+            launched = {k: v for k, v in current.items() if k not in environ}
+        os.environ.clear()
+        os.environ.update(environ)
+        os.environ.update(launched)
+    np.random.seed()
 
 
 def limit_threads(local_world_size: int | None) -> int:

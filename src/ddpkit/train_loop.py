@@ -32,7 +32,7 @@ from ddpkit.collectives import mp_sync, sync_ddp
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.evaluation import predict_in_order
-from ddpkit.launch import launch, scheduler_environment
+from ddpkit.launch import StartMethod, launch, scheduler_environment, start_forkserver
 from ddpkit.plotting import plot_history
 from ddpkit.preemption import PreemptionHandler
 from ddpkit.process_group import get_rank, get_world_size, is_distributed, rank_device
@@ -243,6 +243,7 @@ class TrainLoop:
         nnodes: int | str = 1,
         rdzv_endpoint: str | None = None,
         rdzv_conf: dict[str, Any] | str | None = None,
+        start_method: StartMethod = "spawn",
     ) -> dict[str, list[float]]:
         """Run :meth:`fit` on ``num_processes`` new processes (through :func:`~ddpkit.launch`).
 
@@ -268,16 +269,23 @@ class TrainLoop:
                 it on every node; ``nnodes="MIN:MAX"`` is an elastic job (use a
                 ``checkpoint_dir``, ``max_restarts`` for nodes lost, and
                 ``global_batch_size`` to keep the steps as the world size changes).
+            start_method: as for :func:`~ddpkit.launch` (default ``"spawn"``);
+                ``"forkserver"`` also imports ``torch._dynamo`` (which DDP's
+                constructor imports) once in the server: workers reach their
+                first step about 2 s sooner here.
 
         Raises:
             HangError: the job hung (after ``max_restarts`` restarts).
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """
         in_this_process = scheduler_environment() is not None  # srun, mpirun, torchrun: no spawning
+        if not in_this_process and start_method == "forkserver":
+            start_forkserver("torch._dynamo")  # DDP's constructor imports it: 2 s per worker otherwise
         results = launch(
             _fit_worker, self, num_epochs, grad_accumulation, callbacks, in_this_process, rng_state(),
             nprocs=None if in_this_process else num_processes, backend=backend, max_restarts=max_restarts,
             timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
+            start_method=start_method,
         )  # fmt: skip
         history: dict[str, list[float]]
         history, weights = results[min(results)]
