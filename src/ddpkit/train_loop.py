@@ -27,16 +27,17 @@ from tqdm import tqdm
 from ddpkit._step_checks import dump_worker_stacks_in_hang_reports, epoch_line, resume_line, skipped_model_error
 from ddpkit.batches import batch_length, move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler
-from ddpkit.checkpoint import CHECKPOINT_FILE, TrainState, rng_state, set_rng_state
-from ddpkit.collectives import mp_sync, sync_ddp
+from ddpkit.checkpoint import CHECKPOINT_FILE, TrainState
+from ddpkit.collectives import mp_sync
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.evaluation import predict_in_order
-from ddpkit.launch import StartMethod, launch, scheduler_environment, start_forkserver
+from ddpkit.launch import StartMethod
 from ddpkit.plotting import plot_history
 from ddpkit.preemption import PreemptionHandler
 from ddpkit.process_group import get_rank, get_world_size, is_distributed, rank_device
 from ddpkit.step_plan import Accumulation, GlobalBatch, GlobalSteps, TrainingEpochs, average_gradients
+from ddpkit.train_launch import fit_on_new_processes
 
 __all__ = ["TrainLoop"]
 
@@ -278,22 +279,10 @@ class TrainLoop:
             HangError: the job hung (after ``max_restarts`` restarts).
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """
-        in_this_process = scheduler_environment() is not None  # srun, mpirun, torchrun: no spawning
-        if not in_this_process and start_method == "forkserver":
-            start_forkserver("torch._dynamo")  # DDP's constructor imports it: 2 s per worker otherwise
-        results = launch(
-            _fit_worker, self, num_epochs, grad_accumulation, callbacks, in_this_process, rng_state(),
-            nprocs=None if in_this_process else num_processes, backend=backend, max_restarts=max_restarts,
-            timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf,
-            start_method=start_method,
+        return fit_on_new_processes(
+            self, num_epochs, num_processes, grad_accumulation, callbacks, backend=backend, max_restarts=max_restarts,
+            timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,
         )  # fmt: skip
-        history: dict[str, list[float]]
-        history, weights = results[min(results)]
-        if weights is not None:  # this node ran rank 0
-            self.model.load_state_dict(weights)
-        self.history = defaultdict(list, history)
-        self.epoch = num_epochs
-        return history
 
     def plot_history(self, path: str | Path) -> Path:
         """Write a PNG of every curve of :attr:`history` (losses in one panel); its path.
@@ -307,16 +296,15 @@ class TrainLoop:
     def evaluate(self, loader: DataLoader[Any] | None = None) -> dict[str, float]:
         """Metrics of ``loader`` (default the validation loader), computed on every sample exactly once.
 
-        Each rank predicts its shard; :func:`~ddpkit.gather_in_order` brings the
-        predictions and targets back in single-process order, without duplicates,
-        and :meth:`compute_metrics` sees the whole split: the result equals a
+        Each rank predicts its shard; :func:`~ddpkit.gather_in_order` (for a stream
+        :func:`~ddpkit.gather_stream_in_order`) brings the results back in order, without
+        duplicates, and :meth:`compute_metrics` sees the whole split: the result equals a
         single-process evaluation and is the same on every rank (which must all call it).
 
         Raises:
             ValueError: no loader given and no validation loader.
         """
-        if loader is None:
-            loader = self.validation_loader
+        loader = loader if loader is not None else self.validation_loader
         if loader is None:
             raise ValueError("evaluate() needs a loader: pass one or give the TrainLoop a validation_loader")
         self.model.to(self.device)
@@ -346,16 +334,6 @@ class TrainLoop:
 
     def _count_forward(self, module: nn.Module, args: Any) -> None:
         self._forward_calls += 1
-
-    def _reset_distributed(self) -> None:
-        """Forget the sharding and the DDP wrapper (a worker of :meth:`fit_distributed` sets up anew)."""
-        for name, loader in self._original_loaders.items():
-            setattr(self, name, loader)
-        if self.ddp_handler is not None and self.ddp_handler.callback is not None:
-            self.callbacks_handler.callbacks.remove(self.ddp_handler.callback)
-        self.ddp_handler = None
-        self.ddp_model = None
-        self._epochs = None
 
     def _train_epoch(self, model: nn.Module, accumulation: int, num_epochs: int) -> float:
         model.train()
@@ -397,9 +375,8 @@ class TrainLoop:
         if isinstance(steps, GlobalSteps) and steps.final_step:  # a last, smaller step: not every rank had a batch
             average_gradients(self.model.parameters())
             self._optimizer_step(steps.end)
-        summed = sync_ddp(self._epoch_sums.clone())
-        if synced:
-            self.step_times = [1000 * t for t in mp_sync(busy / max(1, batches), True).tolist()]
+        per_rank = mp_sync(torch.cat([self._epoch_sums, torch.tensor([busy / max(1, batches)]).double()])).view(-1, 3)
+        summed, self.step_times = per_rank[:, :2].sum(0), (1000 * per_rank[:, 2]).tolist() if synced else []
         return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
 
     def _optimizer_step(self, position: int) -> None:
@@ -421,19 +398,3 @@ class TrainLoop:
         """Write :class:`~ddpkit.checkpoint.TrainState` after ``position`` entries of this epoch (every rank)."""
         assert self.checkpoint_dir is not None
         TrainState.capture(self, position).write(self.checkpoint_dir / CHECKPOINT_FILE)
-
-
-def _fit_worker(
-    loop: TrainLoop,
-    num_epochs: int,
-    grad_accumulation: int,
-    callbacks: list[Callback] | None,
-    every_rank: bool,
-    random_state: dict[str, Any],
-) -> tuple[dict[str, list[float]], dict[str, torch.Tensor] | None]:
-    set_rng_state(random_state)  # as if fit ran in the caller: the same run every time
-    loop._reset_distributed()
-    history = loop.fit(num_epochs, grad_accumulation, callbacks)
-    send = every_rank or get_rank() == 0  # spawned workers: only rank 0's copy travels back
-    weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if send else None
-    return history, weights

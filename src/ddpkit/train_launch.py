@@ -1,0 +1,73 @@
+"""``TrainLoop.fit_distributed``'s work: the loop pickled to new processes (or a scheduler's), each running ``fit``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ddpkit.callbacks import Callback
+from ddpkit.checkpoint import rng_state, set_rng_state
+from ddpkit.launch import launch, scheduler_environment, start_forkserver
+from ddpkit.process_group import get_rank
+
+__all__ = ["fit_on_new_processes"]
+
+
+def fit_on_new_processes(
+    loop: Any,
+    num_epochs: int,
+    num_processes: int,
+    grad_accumulation: int,
+    callbacks: list[Callback] | None,
+    **launch_options: Any,
+) -> dict[str, list[float]]:
+    """Run ``loop.fit`` (a ``TrainLoop``'s) on ``num_processes`` new processes through :func:`~ddpkit.launch`.
+
+    Every worker starts from this process's random state; afterwards ``loop``
+    holds rank 0's weights and history. Under a scheduler that started the
+    job's processes, this process trains as one of its ranks instead.
+    ``launch_options`` are :func:`~ddpkit.launch`'s.
+    """
+    in_this_process = scheduler_environment() is not None  # srun, mpirun, torchrun: no spawning
+    if not in_this_process and launch_options.get("start_method") == "forkserver":
+        start_forkserver("torch._dynamo")  # DDP's constructor imports it: 2 s per worker otherwise
+    results = launch(
+        _fit_worker, loop, num_epochs, grad_accumulation, callbacks, in_this_process, rng_state(),
+        nprocs=None if in_this_process else num_processes, **launch_options,
+    )  # fmt: skip
+    history: dict[str, list[float]]
+    history, weights = results[min(results)]
+    if weights is not None:  # this node ran rank 0
+        loop.model.load_state_dict(weights)
+    loop.history = defaultdict(list, history)
+    loop.epoch = num_epochs
+    return history
+
+
+def _fit_worker(
+    loop: Any,
+    num_epochs: int,
+    grad_accumulation: int,
+    callbacks: list[Callback] | None,
+    every_rank: bool,
+    random_state: dict[str, Any],
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor] | None]:
+    set_rng_state(random_state)  # as if fit ran in the caller: the same run every time
+    _reset_distributed(loop)
+    history = loop.fit(num_epochs, grad_accumulation, callbacks)
+    send = every_rank or get_rank() == 0  # spawned workers: only rank 0's copy travels back
+    weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if send else None
+    return history, weights
+
+
+def _reset_distributed(loop: Any) -> None:
+    """Forget the sharding and the DDP wrapper the pickled loop may carry (the worker sets up anew)."""
+    for name, loader in loop._original_loaders.items():
+        setattr(loop, name, loader)
+    if loop.ddp_handler is not None and loop.ddp_handler.callback is not None:
+        loop.callbacks_handler.callbacks.remove(loop.ddp_handler.callback)
+    loop.ddp_handler = None
+    loop.ddp_model = None
+    loop._epochs = None
