@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
 from ddpkit.loaders import build_loader_sampler, distributed_sampler_of, stream_loader
-from ddpkit.ordered import gather_in_order, gather_stream_in_order
+from ddpkit.ordered import gather_each_in_order, gather_each_stream_in_order
 from ddpkit.process_group import get_rank, get_world_size
 from ddpkit.streams import StreamBatch, StreamDataLoader, is_stream
 
@@ -70,10 +70,11 @@ def predict_in_order(
                 predictions, targets, keys = [output[:0]], [target[:0]], [torch.zeros(0, 3, dtype=torch.int64)]
     finally:
         model.train(was_training)
-    if is_stream(loader):
-        order = torch.cat(keys)
-        return gather_stream_in_order(torch.cat(predictions), order), gather_stream_in_order(torch.cat(targets), order)
-    return gather_in_order(torch.cat(predictions), sampler), gather_in_order(torch.cat(targets), sampler)
+    both = (torch.cat(predictions), torch.cat(targets))  # gathered in one exchange
+    gathered = (
+        gather_each_stream_in_order(both, torch.cat(keys)) if is_stream(loader) else gather_each_in_order(both, sampler)
+    )
+    return gathered[0], gathered[1]
 
 
 _NO_KEYS = torch.zeros(0, 3, dtype=torch.int64)

@@ -54,6 +54,14 @@ def gather_in_order(
         TypeError: ``local_results`` is not a tensor, array or list (on every rank).
         CollectiveMismatchError: ranks passed different kinds, dtypes or trailing shapes.
     """
+    return gather_each_in_order((local_results,), sampler, group)[0]
+
+
+def gather_each_in_order(
+    results: tuple[Any, ...], sampler: DistributedSampler[Any] | DataLoader[Any], group: dist.ProcessGroup | None = None
+) -> tuple[Any, ...]:
+    """:func:`gather_in_order` of several results of the same samples (predictions and targets, say) in one
+    exchange; each one's row count must be the shard's."""
     distributed = is_distributed()
     world_size, rank = (get_world_size(group), get_rank(group)) if distributed else (1, 0)
     value: dict[Any, Value] | BaseException
@@ -66,22 +74,26 @@ def gather_in_order(
         if distributed and own_rank != rank:
             raise ValueError(f"the sampler is for rank {own_rank} but this is rank {rank} of the process group")
         expected = len(layout.rank_items(own_rank)[0])
-        rows = _rows(local_results)
-        if rows != expected:
-            raise ValueError(
-                f"rank {own_rank} passed {rows} results but its shard holds {expected} samples in the last epoch "
-                "(pass one row per sample, padded duplicates included; do not drop the last batch)"
-            )
-        value = {None: Value(local_results, "results")}
+        for local_results in results:
+            rows = _rows(local_results)
+            if rows != expected:
+                raise ValueError(
+                    f"rank {own_rank} passed {rows} results but its shard holds {expected} samples in the last epoch "
+                    "(pass one row per sample, padded duplicates included; do not drop the last batch)"
+                )
+        value = {index: Value(local_results, "results") for index, local_results in enumerate(results)}
     except (TypeError, ValueError) as exc:
         if not distributed:
             raise
         value = exc
     if not distributed:
         # One process holding a shard of W: order its own items (a full epoch only when W == 1).
-        return _place(local_results, [(*layout.rank_items(own_rank), local_results)], layout)
-    parts = gather_values("gather_in_order", value, group).parts[None]
-    return _place(local_results, [(*layout.rank_items(r), part) for r, part in enumerate(parts)], layout)
+        return tuple(_place(each, [(*layout.rank_items(own_rank), each)], layout) for each in results)
+    parts = gather_values("gather_in_order", value, group).parts
+    return tuple(
+        _place(each, [(*layout.rank_items(r), part) for r, part in enumerate(parts[index])], layout)
+        for index, each in enumerate(results)
+    )
 
 
 def gather_stream_in_order(
@@ -112,25 +124,39 @@ def gather_stream_in_order(
         TypeError: ``local_results`` is not a tensor, array or list (on every rank).
         CollectiveMismatchError: ranks passed different kinds, dtypes or trailing shapes.
     """
+    return gather_each_stream_in_order((local_results,), keys, group)[0]
+
+
+def gather_each_stream_in_order(
+    results: tuple[Any, ...], keys: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> tuple[Any, ...]:
+    """:func:`gather_stream_in_order` of several results of the same items, in one exchange."""
     distributed = is_distributed()
     value: dict[Any, Value] | BaseException
     try:
-        rows = _rows(local_results)
-        if keys.dim() != 2 or keys.shape[1] < 2 or keys.is_floating_point() or keys.shape[0] != rows:
-            raise ValueError(
-                f"rank {get_rank(group) if distributed else 0} passed {rows} results and keys of shape "
-                f"{tuple(keys.shape)} ({keys.dtype}); keys must be ({rows}, k >= 2) integers: shard, offset, ..."
-            )
-        value = {"results": Value(local_results, "results"), "keys": Value(keys[:, :2].to("cpu", torch.int64), "keys")}
+        for local_results in results:
+            rows = _rows(local_results)
+            if keys.dim() != 2 or keys.shape[1] < 2 or keys.is_floating_point() or keys.shape[0] != rows:
+                raise ValueError(
+                    f"rank {get_rank(group) if distributed else 0} passed {rows} results and keys of shape "
+                    f"{tuple(keys.shape)} ({keys.dtype}); keys must be ({rows}, k >= 2) integers: shard, offset, ..."
+                )
+        value = {index: Value(each, "results") for index, each in enumerate(results)}
+        value["keys"] = Value(keys[:, :2].to("cpu", torch.int64), "keys")
     except (TypeError, ValueError) as exc:
         if not distributed:
             raise
         value = exc
     if distributed:
         gathered = gather_values("gather_stream_in_order", value, group)
-        results, all_keys = gathered.join("results"), gathered.join("keys").cpu()
+        joined, all_keys = [gathered.join(index) for index in range(len(results))], gathered.join("keys").cpu()
     else:
-        results, all_keys = local_results, keys[:, :2].to("cpu", torch.int64)
+        joined, all_keys = list(results), keys[:, :2].to("cpu", torch.int64)
+    return tuple(_by_key(each, local, all_keys) for each, local in zip(joined, results, strict=True))
+
+
+def _by_key(results: Any, like: Any, all_keys: torch.Tensor) -> Any:
+    """``results``' rows sorted by ``all_keys`` (shard, offset), each key's first row only."""
     order = np.lexsort((all_keys[:, 1].numpy(), all_keys[:, 0].numpy()))
     ordered_keys = all_keys.numpy()[order]
     first = np.ones(len(order), dtype=bool)
@@ -141,7 +167,7 @@ def gather_stream_in_order(
     if isinstance(results, np.ndarray):
         return results[keep]
     index = torch.from_numpy(keep)
-    return results.to(local_results.device)[index.to(local_results.device)]  # type: ignore[union-attr]
+    return results.to(like.device)[index.to(like.device)]
 
 
 def _layout_of(sampler: Any) -> tuple[EpochLayout, int]:
