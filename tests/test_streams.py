@@ -122,6 +122,22 @@ def test_a_sharded_stream_alone_splits_over_explicit_ranks_and_workers(
     assert sorted(seen) == list(range(23))
 
 
+def _read(loader: StreamDataLoader) -> list[int]:
+    return [n for batch in loader for n in batch.tolist()]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_stream_built_before_the_process_group_is_split_by_the_group(workers: int) -> None:
+    """As TrainLoop.fit_distributed pickles loaders built in the caller: the split is decided when read."""
+    fork = _FORK if workers else None
+    loader = StreamDataLoader(
+        ShardedStream(Numbers(20)), batch_size=2, num_workers=workers, multiprocessing_context=fork
+    )
+    rank0, rank1 = run_parallel(_read, loader)
+    assert sorted(rank0 + rank1) == list(range(20))
+    assert len(rank0) == len(rank1) == 10
+
+
 class _Sample(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
     """``(features, target)`` pairs whose first feature is the sample's number; two shards of unequal size."""
 
@@ -242,6 +258,8 @@ def test_even_ends_with_a_rank_that_has_nothing_to_pad_with_raise_on_every_rank(
 def test_bad_arguments_name_the_values() -> None:
     with pytest.raises(ValueError, match=r"rank=2 must be in \[0, world_size=2\)"):
         ShardedStream(Numbers(3), 2, 2)
+    with pytest.raises(ValueError, match=r"world_size=2 and rank=None: give both, or neither"):
+        ShardedStream(Numbers(3), 2)
     with pytest.raises(ValueError, match=r"split='shard' needs a dataset with num_shards.*Numbers"):
         ShardedStream(Numbers(3), split="shard")
     with pytest.raises(ValueError, match=r"ends='pad' must be one of 'even', 'drop', 'join'"):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate, default_convert
 
+from ddpkit.environments import detect_environment
 from ddpkit.process_group import collective_device, get_rank, get_world_size, is_distributed
 
 __all__ = ["ShardedStream", "StreamBatch", "StreamDataLoader", "StreamEnds", "StreamProgress", "is_stream"]
@@ -78,26 +79,27 @@ class ShardedStream(IterableDataset[Any]):
             and ``iter_shard(index)`` (an iterator over shard ``index``'s items,
             the stream being shards ``0, 1, ...`` in order); ``set_epoch`` is
             forwarded to it if it has one.
-        world_size: ranks to split over (default: the process group's size, 1 without one).
-        rank: this process's rank (default: its rank in the process group).
+        world_size: ranks to split over (default: the process group's size when
+            the stream is read, so a stream built before the group exists is
+            split right; in a DataLoader worker, the job's from its environment
+            variables, ``WORLD_SIZE`` and the like; 1 alone).
+        rank: this process's rank (default: likewise).
         split: ``"auto"`` (default: by shard when the dataset has shards and
             ranks x workers divides their number, else by example), ``"shard"``
             (always by shard: units may get different numbers of shards, or
             none) or ``"example"``.
 
     Raises:
-        ValueError: ``rank`` outside ``[0, world_size)``, an unknown ``split``,
-            or ``split="shard"`` for a dataset without shards.
+        ValueError: ``rank`` outside ``[0, world_size)`` (or only one of them
+            given), an unknown ``split``, or ``split="shard"`` for a dataset without shards.
     """
 
     def __init__(
         self, dataset: Any, world_size: int | None = None, rank: int | None = None, *, split: Split = "auto"
     ) -> None:
-        if world_size is None:
-            world_size = get_world_size()
-        if rank is None:
-            rank = get_rank() if is_distributed() else 0
-        if not 0 <= rank < world_size:
+        if (world_size is None) != (rank is None):
+            raise ValueError(f"world_size={world_size} and rank={rank}: give both, or neither (the job's)")
+        if world_size is not None and rank is not None and not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         if split not in ("auto", "shard", "example"):
             raise ValueError(f"split={split!r} must be 'auto', 'shard' or 'example'")
@@ -107,11 +109,31 @@ class ShardedStream(IterableDataset[Any]):
                 "has not: use split='example'"
             )
         self.dataset = dataset
-        self.world_size, self.rank, self.split = world_size, rank, split
+        self._placement = None if world_size is None or rank is None else (world_size, rank)
+        self.split = split
         self.epoch = 0
         #: The items a resumed epoch skips (read from a checkpoint); used by the next iteration only.
         self.consumed: tuple[Any, ...] = ()
         self._keyed = False
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the stream is split over (see the class's arguments)."""
+        return self.placement()[0]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among them."""
+        return self.placement()[1]
+
+    def placement(self) -> tuple[int, int]:
+        """``(world_size, rank)``: as given, else the process group's, else the job's environment's."""
+        if self._placement is not None:
+            return self._placement
+        if is_distributed():
+            return get_world_size(), get_rank()
+        environment = detect_environment()
+        return environment.world_size(), environment.global_rank()
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (forwarded to the wrapped dataset's ``set_epoch``, if any)."""
@@ -131,7 +153,8 @@ class ShardedStream(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        units, unit = self.world_size * workers, self.rank * workers + worker
+        world_size, rank = self.placement()
+        units, unit = world_size * workers, rank * workers + worker
         skip = _Consumed(self.consumed)
         if self.split_for(workers) == "shard":
             shards = _num_shards(self.dataset)
