@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import multiprocessing.context
 import os
 import socket
+import threading
+import time
 from pathlib import Path
 
-__all__ = ["alive", "listening_sockets", "refused"]
+__all__ = ["SETTLED_FORK", "alive", "listening_sockets", "refused", "settle_dying_threads"]
 
 
 def alive(pid: int) -> bool:
@@ -55,3 +58,36 @@ def refused(address: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def settle_dying_threads(limit: float = 2.0, pause: float = 0.02) -> None:
+    """Before a fork: wait until no multiprocessing queue feeder thread is left (``limit`` seconds at most),
+    then ``pause`` seconds more.
+
+    CPython before 3.11.8 (gh-112275) can deadlock a child forked while another
+    thread creates or deletes its thread state. Such threads: a DataLoader
+    iterator's queue feeders, which exit a moment after it ends, and gloo's
+    threads, which take the GIL for a moment after a collective has returned
+    (to release its tensors). A test that forks DataLoader workers right
+    after collectives, epoch after epoch, hits it now and then (seen here with
+    Python 3.11.7).
+    """
+    deadline = time.monotonic() + limit
+    while any(t.name == "QueueFeederThread" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(pause)
+
+
+class _SettledForkProcess(multiprocessing.context.ForkProcess):
+    def start(self) -> None:
+        settle_dying_threads()
+        super().start()
+
+
+class _SettledForkContext(multiprocessing.context.ForkContext):
+    Process = _SettledForkProcess
+
+
+#: A ``fork`` context for DataLoader workers that first lets the last iterator's threads exit (see
+#: :func:`settle_dying_threads`).
+SETTLED_FORK = _SettledForkContext()

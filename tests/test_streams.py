@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +28,12 @@ from ddpkit import (
 )
 from ddpkit.examples.digits import DigitsStream, digits_datasets
 from ddpkit.testing import run_parallel
+from tests.helpers import SETTLED_FORK
 
 LENGTHS = (24, 23, 5)  # divides by ranks x workers x batch; does not; fewer items than some ranks x workers
 SHARDS = (None, 4, 6)  # no shards; shards that 2 ranks x 1-2 workers split; shards only 3 x 2 split
 #: DataLoader workers forked: the pool's workers are spawned, and so would theirs be (seconds each).
-_FORK = multiprocessing.get_context("fork")
+_FORK = SETTLED_FORK
 
 
 class Numbers(IterableDataset[int]):
