@@ -122,9 +122,31 @@ def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:
         (["demo", "--task", "retrieval", "--batch-size", "48"], "classes_per_batch=12 in [2, 10]"),
     ],
 )
-def test_bad_values_exit_2_with_the_reason(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_values_exit_2_with_the_reason(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "-n", "2", "missing.py"], "ddpkit run: no such script: missing.py (relative to {cwd})\n"),
+        (["run", "-n", "2", "-m", "no_such_module"], "ddpkit run: no module named 'no_such_module' (looked on"),
+    ],
+)
+def test_a_missing_script_or_module_is_one_line_before_any_worker_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(cwd=tmp_path)), err
+    assert err.count("\n") == 1
+    assert "Traceback" not in err
 
 
 # --- end to end: ddpkit run ------------------------------------------------------------------

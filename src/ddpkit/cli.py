@@ -18,7 +18,7 @@ from ddpkit._agent_log import VERBOSE_VARIABLE
 from ddpkit._watchdog import hang_timeout
 from ddpkit.environments import detect_environment
 from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
-from ddpkit.launch import launch, run_script, scheduler_environment
+from ddpkit.launch import check_target, launch, run_script, scheduler_environment
 
 __all__ = ["build_parser", "main"]
 
@@ -175,6 +175,10 @@ def _run(args: argparse.Namespace) -> int:
         return _doctor(args)
     if args.script is None:
         return _fail("run", ValueError("SCRIPT is required (or --doctor)"), status=2)
+    try:
+        check_target(args.script, args.module)  # once, here: not a traceback from every worker
+    except FileNotFoundError as error:
+        return _fail("run", error, status=2)
     if args.verbose:
         os.environ[VERBOSE_VARIABLE] = "1"
     options = {

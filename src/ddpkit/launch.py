@@ -25,8 +25,10 @@ drives ``torch.distributed.run`` (torchrun). What ddpkit adds:
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
+import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
@@ -55,7 +57,7 @@ from ddpkit._worker import (
 )
 from ddpkit.environments.base import check_resolves
 
-__all__ = ["launch", "run_script", "scheduler_environment"]
+__all__ = ["check_target", "launch", "run_script", "scheduler_environment"]
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 T = TypeVar("T")
@@ -272,9 +274,12 @@ def run_script(
         RendezvousFailedError: the nodes did not all join within ``join_timeout``.
         PortTakenError: the loopback rendezvous port is held by another program.
         ValueError: counts out of range, or several nodes without ``rdzv_endpoint``.
+        FileNotFoundError: ``script`` is not a file (with ``module=True``: no module of that name is found),
+            checked before any worker starts.
     """
     from torch.distributed import run as torchrun
 
+    check_target(script, module)
     deadline = hang_timeout(timeout)
     scheduler = scheduler_environment()
     if scheduler is not None:
@@ -313,6 +318,29 @@ def run_script(
         argv += ["--module", "ddpkit._script_runner", *(["-m"] if module else []), script, *script_args]
         with translated_failures(failure_dir, endpoint, nnodes, join_timeout):
             torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
+
+
+def check_target(script: str, module: bool = False) -> None:
+    """Raise unless ``script`` names a file (or, with ``module``, a module importable from here or the current
+    directory), so that a typo fails once, here, not in every worker.
+
+    Raises:
+        FileNotFoundError: naming what was looked for and where.
+    """
+    if not module:
+        if not os.path.isfile(script):
+            where = "" if os.path.isabs(script) else f" (relative to {os.getcwd()})"
+            raise FileNotFoundError(f"no such script: {script}{where}")
+        return
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(script) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path.pop(0)
+    if not found:
+        raise FileNotFoundError(f"no module named {script!r} (looked on sys.path and in {os.getcwd()})")
 
 
 def _check_missing_main_guard() -> None:
