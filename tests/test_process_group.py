@@ -207,7 +207,7 @@ def test_init_explicit_rank_and_world_size_win_and_are_checked(captured_init: li
 
 
 def test_init_refuses_several_processes_without_an_agreed_port(captured_init: list[Any]) -> None:
-    with pytest.raises(ClusterEnvironmentError, match=r"world_size=2 but MASTER_PORT is not set"):
+    with pytest.raises(ClusterEnvironmentError, match=r"world_size=2, rank=0, but MASTER_PORT is not set"):
         init_dist_connection(LocalEnvironment({}), "gloo", global_rank=0, world_size=2)
     assert captured_init == []
 

@@ -67,6 +67,7 @@ from ddpkit.ordered import gather_in_order, gather_stream_in_order
 from ddpkit.process_group import (
     barrier,
     destroy_dist_connection,
+    ensure_dist_connection,
     get_local_rank,
     get_rank,
     get_world_size,
@@ -124,6 +125,7 @@ __all__ = [
     "check_loaders_is_patched",
     "destroy_dist_connection",
     "detect_environment",
+    "ensure_dist_connection",
     "extract_loader_parameters",
     "gather_all_tensors",
     "gather_in_order",

@@ -20,7 +20,12 @@ import torch
 
 from ddpkit._failures import write_record
 from ddpkit._orphans import children_die_with_this_process, die_with_parent
-from ddpkit.environments import ClusterEnvironment, TorchElasticEnvironment, detect_environment
+from ddpkit.environments import (
+    ClusterEnvironment,
+    TorchElasticEnvironment,
+    detect_environment,
+    is_one_of_several_ranks,
+)
 from ddpkit.process_group import barrier, destroy_dist_connection, init_dist_connection
 
 __all__ = [
@@ -67,7 +72,7 @@ def scheduler_environment() -> ClusterEnvironment | None:
     then run in this process instead of spawning.
     """
     env = detect_environment()
-    started = env.creates_processes_externally and (env.world_size() > 1 or env.name == "torchelastic")
+    started = is_one_of_several_ranks(env) or (env.creates_processes_externally and env.name == "torchelastic")
     return env if started else None
 
 

@@ -10,6 +10,7 @@ jobs of several processes.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from ddpkit import _watchdog as watchdog
 from ddpkit._stores import release_loopback_store, serve_on_loopback
-from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback
+from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback, launched_environment
 from ddpkit.environments.base import check_resolves
 from ddpkit.errors import ClusterEnvironmentError, DDPKitError
 
@@ -30,6 +31,7 @@ __all__ = [
     "SupportsClusterEnvironment",
     "SupportsMainAddress",
     "destroy_dist_connection",
+    "ensure_dist_connection",
     "init_dist_connection",
     "main_address_and_port",
 ]
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: The port of the loopback store this process hosts for the default group (rank 0), if any.
 _served_port: int | None = None
+#: The default group :func:`ensure_dist_connection` created, destroyed at exit if still there.
+_ensured_group: Any = None
 
 _KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 #: torch's shortest default process-group timeout (NCCL's 10 minutes; gloo's is 30).
@@ -148,10 +152,11 @@ def init_dist_connection(
     local_rank = _optional_method(env, "local_rank", None) or 0
     backend = _resolve_backend(torch_distributed_backend, local_rank)
     if size > 1 and isinstance(env, LocalEnvironment) and env.port_was_chosen:
+        found = f"WORLD_SIZE={size}, RANK={rank}" if world_size is None else f"world_size={size}, rank={rank}"
         raise ClusterEnvironmentError(
-            f"world_size={size} but MASTER_PORT is not set, so each process would pick its own port and wait "
-            "for the others forever; set MASTER_ADDR and MASTER_PORT in every process, or start them with "
-            "`ddpkit run` or ddpkit.launch()"
+            f"{found}, but MASTER_PORT is not set, so each process would pick its own port and wait for the "
+            "others forever; set MASTER_ADDR and MASTER_PORT in every process, or start them with `ddpkit run`, "
+            "torchrun or ddpkit.launch()"
         )
 
     address, port = main_address_and_port(env)
@@ -184,6 +189,62 @@ def init_dist_connection(
         raise
     if deadline is not None:
         watchdog.start_watchdog(deadline)
+
+
+def ensure_dist_connection() -> bool:
+    """Create the default process group if a launcher started this process as one of several ranks.
+
+    The rule every ddpkit entry point applies before it decides that it runs
+    alone (``TrainLoop.fit``, ``DDPHandler.add_distributed_samplers``,
+    ``patch_dataloader_to_ddp``, the samplers and streams when they need a
+    world size), as Lightning's ``Trainer`` and Accelerate's ``Accelerator``
+    do: when torchrun, ``ddpkit run``, ``srun``, ``mpirun``, a Kubeflow or LSF
+    job (or ``RANK`` and ``WORLD_SIZE`` set by hand) started this process as
+    one rank of a job of several, and no default process group exists yet,
+    create it with :func:`init_dist_connection` (so the hang watchdog comes
+    with it). It stays until :func:`destroy_dist_connection` or the end of the
+    process. A group that exists is used as it is, however it was made
+    (``init_process_group(rank=..., world_size=...)`` included). A process
+    alone (``python train.py``, one SLURM task, ``WORLD_SIZE=1``) gets no group.
+
+    Every rank of the job must call it when it creates the group (the entry
+    points above are called on every rank).
+
+    Returns:
+        Whether a default process group exists afterwards.
+
+    Raises:
+        ClusterEnvironmentError: the launcher's variables are half-set or
+            contradictory, or the group cannot be made from them; the message
+            names the variables found (e.g. ``WORLD_SIZE=2, RANK=1, but
+            MASTER_PORT is not set``) and the fix.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return True
+    environment = launched_environment()
+    if environment is None:
+        return False
+    if not dist.is_available():
+        raise RuntimeError(
+            f"{environment.name} started this process as rank {environment.global_rank()} of "
+            f"{environment.world_size()}, but torch.distributed is not available in this PyTorch build"
+        )
+    log.info(
+        "joining the %s job as rank %d of %d", environment.name, environment.global_rank(), environment.world_size()
+    )
+    init_dist_connection(environment)
+    global _ensured_group
+    if _ensured_group is None:
+        atexit.register(_destroy_ensured_group)
+    _ensured_group = dist.group.WORLD
+    return True
+
+
+def _destroy_ensured_group() -> None:
+    """At exit, destroy the group :func:`ensure_dist_connection` made, unless the program destroyed it (NCCL
+    warns about a group left)."""
+    if _ensured_group is not None and dist.is_initialized() and dist.group.WORLD is _ensured_group:
+        destroy_dist_connection()
 
 
 def destroy_dist_connection() -> None:

@@ -11,6 +11,7 @@ from torch.utils.data import DistributedSampler, RandomSampler
 from ddpkit.callbacks import DistributedSamplerSetEpoch
 from ddpkit.collectives import mp_sync, mp_sync_dict
 from ddpkit.loaders import build_loader_sampler, distributed_sampler_of, stream_loader
+from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size
 from ddpkit.streams import is_stream
 
 __all__ = ["LOADER_ATTRIBUTES", "DDPHandler"]
@@ -50,10 +51,26 @@ class DDPHandler:
         stream split over ranks and workers; aitoolbox refuses streams).
         Registers a :class:`~ddpkit.DistributedSamplerSetEpoch`.
 
+        In a process that a launcher started as one of several ranks (torchrun,
+        ``ddpkit run``, ``srun``, ``mpirun``) the default process group is
+        created first if none exists (:func:`~ddpkit.ensure_dist_connection`).
+
         Args:
             world_size: world size of the distributed training.
             rank: rank of the current process.
+
+        Raises:
+            ValueError: a default process group exists and ``world_size`` or
+                ``rank`` contradict it (on every rank whose values do).
+            ClusterEnvironmentError: a launcher's variables are half-set, so the
+                group cannot be made (naming them).
         """
+        if ensure_dist_connection() and (world_size, rank) != (get_world_size(), get_rank()):
+            raise ValueError(
+                f"add_distributed_samplers(world_size={world_size}, rank={rank}) contradicts the default process "
+                f"group, where this process is rank {get_rank()} of {get_world_size()}: pass "
+                "world_size=ddpkit.get_world_size(), rank=ddpkit.get_rank()"
+            )
         loop = self.train_loop_obj
         seed = int(getattr(loop, "seed", 0))
         generators, streams = [], []

@@ -24,6 +24,7 @@ from ddpkit.batches import iter_tensors, move_data_to_device
 from ddpkit.process_group import (
     SupportsClusterEnvironment,
     SupportsMainAddress,
+    ensure_dist_connection,
     get_rank,
     init_dist_connection,
     is_distributed,
@@ -65,11 +66,15 @@ class DDPPlugin:
         Returns:
             The wrapped model.
 
+        In a process that a launcher started as one of several ranks (torchrun,
+        ``ddpkit run``, ``srun``, ``mpirun``) the default process group is
+        created first if none exists (:func:`~ddpkit.ensure_dist_connection`).
+
         Raises:
             ValueError: no process group (``DistributedDataParallel`` needs one; the
                 message says how to create it).
         """
-        if not is_distributed():
+        if not ensure_dist_connection():
             raise ValueError(
                 "configure_ddp wraps the model in DistributedDataParallel, which needs a process group: call "
                 "ddpkit.init_dist_connection() first (or run under ddpkit.launch / `ddpkit run`)"

@@ -26,7 +26,7 @@ from torch.utils.data import (
 )
 
 from ddpkit.errors import WarningDDP
-from ddpkit.process_group import is_distributed
+from ddpkit.process_group import ensure_dist_connection
 from ddpkit.samplers import DDPSamplerWrapper, DistributedSamplerWrapper
 from ddpkit.streams import ShardedStream, StreamDataLoader, StreamEnds, is_stream
 
@@ -85,10 +85,16 @@ def patch_dataloader_to_ddp(loader: DataLoader[Any]) -> DataLoader[Any]:
     rank yields the same number of batches (``ends="even"``), see
     :func:`stream_loader`.
 
-    Without a process group the loader is returned unchanged, with a
-    :class:`~ddpkit.WarningDDP`.
+    In a process that a launcher started as one of several ranks (torchrun,
+    ``ddpkit run``, ``srun``, ``mpirun``) the default process group is created
+    first if none exists (:func:`~ddpkit.ensure_dist_connection`). A process
+    alone gets the loader back unchanged, with a :class:`~ddpkit.WarningDDP`.
+
+    Raises:
+        ClusterEnvironmentError: a launcher's variables are half-set, so the
+            group cannot be made (naming them).
     """
-    if not is_distributed():
+    if not ensure_dist_connection():
         warnings.warn(patch_dataloader_to_ddp.__name__, WarningDDP, stacklevel=2)
         return loader
     if is_stream(loader):

@@ -23,6 +23,7 @@ from ddpkit.connection import (
     SupportsClusterEnvironment,
     SupportsMainAddress,
     destroy_dist_connection,
+    ensure_dist_connection,
     init_dist_connection,
     main_address_and_port,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "collective_device",
     "destroy_dist_connection",
     "device_of_group",
+    "ensure_dist_connection",
     "get_local_rank",
     "get_rank",
     "get_world_size",

@@ -34,8 +34,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from ddpkit.environments import detect_environment
-from ddpkit.process_group import collective_device, get_rank, get_world_size, is_distributed
+from ddpkit._stream_shards import num_shards, read_all, shard_source
+from ddpkit.environments import launched_environment
+from ddpkit.errors import DDPKitError
+from ddpkit.process_group import collective_device, ensure_dist_connection, get_rank, get_world_size, is_distributed
 
 __all__ = ["ShardedStream", "StreamBatch", "StreamDataLoader", "StreamEnds", "StreamProgress", "is_stream"]
 
@@ -77,12 +79,18 @@ class ShardedStream(IterableDataset[Any]):
     Args:
         dataset: the stream. To be split by shard it has ``num_shards`` (int)
             and ``iter_shard(index)`` (an iterator over shard ``index``'s items,
-            the stream being shards ``0, 1, ...`` in order); ``set_epoch`` is
-            forwarded to it if it has one.
-        world_size: ranks to split over (default: the process group's size when
-            the stream is read, so a stream built before the group exists is
-            split right; in a DataLoader worker, the job's from its environment
-            variables, ``WORLD_SIZE`` and the like; 1 alone).
+            the stream being shards ``0, 1, ...`` in order), or it is a Hugging
+            Face ``datasets.IterableDataset`` (split by its own shards, as
+            ``datasets.distributed.split_dataset_by_node`` does, and never read
+            whole by every unit); ``set_epoch`` is forwarded to it if it has one.
+        world_size: ranks to split over (default: the process group's size,
+            taken in the main process when the stream is read, so a stream
+            built before the group exists is split right; a launcher's rank
+            without its group yet creates it first, see
+            :func:`~ddpkit.ensure_dist_connection`; 1 alone). A DataLoader
+            worker uses what its main process took when the loader's iterator
+            was created (with ``fork``, the group it inherited), never
+            environment variables.
         rank: this process's rank (default: likewise).
         split: ``"auto"`` (default: by shard when the dataset has shards and
             ranks x workers divides their number, else by example), ``"shard"``
@@ -91,7 +99,8 @@ class ShardedStream(IterableDataset[Any]):
 
     Raises:
         ValueError: ``rank`` outside ``[0, world_size)`` (or only one of them
-            given), an unknown ``split``, or ``split="shard"`` for a dataset without shards.
+            given), an unknown ``split``, ``split="shard"`` for a dataset without
+            shards, or a Hugging Face stream already split by ``split_dataset_by_node``.
     """
 
     def __init__(
@@ -103,13 +112,17 @@ class ShardedStream(IterableDataset[Any]):
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         if split not in ("auto", "shard", "example"):
             raise ValueError(f"split={split!r} must be 'auto', 'shard' or 'example'")
-        if split == "shard" and _num_shards(dataset) is None:
+        source = shard_source(dataset)
+        if split == "shard" and num_shards(source) is None:
             raise ValueError(
                 f"split='shard' needs a dataset with num_shards and iter_shard(index); {type(dataset).__name__} "
                 "has not: use split='example'"
             )
         self.dataset = dataset
+        self._source = source
         self._placement = None if world_size is None or rank is None else (world_size, rank)
+        #: ``(world_size, rank)`` as the main process took it when a DataLoader's workers started.
+        self._resolved: tuple[int, int] | None = None
         self.split = split
         self.epoch = 0
         #: The items a resumed epoch skips (read from a checkpoint); used by the next iteration only.
@@ -127,23 +140,47 @@ class ShardedStream(IterableDataset[Any]):
         return self.placement()[1]
 
     def placement(self) -> tuple[int, int]:
-        """``(world_size, rank)``: as given, else the process group's, else the job's environment's."""
+        """``(world_size, rank)``: as given, else the process group's (see the class's arguments).
+
+        Raises:
+            ClusterEnvironmentError: in the main process, a launcher's variables are half-set.
+            DDPKitError: in a DataLoader worker whose main process had no group when the
+                workers started although a launcher started it as one of several ranks.
+        """
         if self._placement is not None:
             return self._placement
-        if is_distributed():
+        if get_worker_info() is None:
+            ensure_dist_connection()
             return get_world_size(), get_rank()
-        environment = detect_environment()
-        return environment.world_size(), environment.global_rank()
+        if self._resolved is not None:
+            return self._resolved
+        if is_distributed():  # a forked worker: the main process's group
+            return get_world_size(), get_rank()
+        if launched_environment() is not None:
+            raise DDPKitError(
+                "a ShardedStream in a DataLoader worker cannot tell its rank: its main process had no process group "
+                "when the loader's workers started. Read it through ddpkit.StreamDataLoader (or "
+                "patch_dataloader_to_ddp), create the group before iterating (ddpkit.ensure_dist_connection()), "
+                "or pass world_size and rank"
+            )
+        return 1, 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled to a DataLoader's workers: the main process's placement goes along (``_resolved``)."""
+        state = self.__dict__.copy()
+        if self._placement is None and self._resolved is None and get_worker_info() is None and is_distributed():
+            state["_resolved"] = (get_world_size(), get_rank())
+        return state
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (forwarded to the wrapped dataset's ``set_epoch``, if any)."""
         self.epoch = epoch
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
+        if hasattr(self._source, "set_epoch"):
+            self._source.set_epoch(epoch)
 
     def split_for(self, workers: int) -> Literal["shard", "example"]:
         """How the stream is split over ``world_size`` x ``max(workers, 1)`` units for the next iteration."""
-        shards = _num_shards(self.dataset)
+        shards = num_shards(self._source)
         if shards is None or self.split == "example" or any(layer[0] == "example" for layer in self.consumed):
             return "example"  # (a resumed epoch that was split by example goes on by example: only it knows indices)
         if self.split == "shard" or shards % (self.world_size * max(workers, 1)) == 0:
@@ -157,17 +194,17 @@ class ShardedStream(IterableDataset[Any]):
         units, unit = world_size * workers, rank * workers + worker
         skip = _Consumed(self.consumed)
         if self.split_for(workers) == "shard":
-            shards = _num_shards(self.dataset)
+            shards = num_shards(self._source)
             assert shards is not None
             keyed = (
                 ((shard, offset, -1), item)
                 for shard in range(unit, shards, units)
-                for offset, item in enumerate(self.dataset.iter_shard(shard))
+                for offset, item in enumerate(self._source.iter_shard(shard))
             )
         else:
             keyed = (
                 ((shard, offset, unit + k * units), item)
-                for k, (shard, offset, item) in enumerate(itertools.islice(_read_all(self.dataset), unit, None, units))
+                for k, (shard, offset, item) in enumerate(itertools.islice(read_all(self._source), unit, None, units))
             )
         if skip:
             keyed = ((key, item) for key, item in keyed if not skip(key))
@@ -257,12 +294,15 @@ class StreamDataLoader(DataLoader[Any]):
         stream = self.stream
         self.progress = StreamProgress(stream.split_for(self.num_workers), stream.world_size * max(self.num_workers, 1))
         self.progress.previous = list(stream.consumed)
-        state = (stream.epoch, stream.consumed)
+        # Taken here, in the main process, before the workers start: they get it with their copy of the stream.
+        stream._resolved = stream.placement()
+        state = (stream.epoch, stream.consumed, stream._resolved)
         if self.persistent_workers and state != self._iterator_state:
             self._iterator = None  # persistent workers hold the stream as it was when they started
         self._iterator_state = state
         source = super().__iter__()
         stream.consumed = ()  # the workers have their copy (or the fetcher its iterator): only this epoch skips
+        stream._resolved = None
         agree = ends != "join" and get_world_size() > 1
         device = collective_device() if agree else None
         padded, fresh = 0, True
@@ -397,18 +437,3 @@ class _Consumed:
         if any(offset < counts.get(shard, 0) for counts in self.shards):
             return True
         return any(index >= 0 and index <= last[index % units] for units, last in self.examples)
-
-
-def _num_shards(dataset: Any) -> int | None:
-    shards = getattr(dataset, "num_shards", None)
-    if isinstance(shards, int) and not isinstance(shards, bool) and callable(getattr(dataset, "iter_shard", None)):
-        return shards
-    return None
-
-
-def _read_all(dataset: Any) -> Iterator[tuple[int, int, Any]]:
-    """``(shard, offset, item)`` of the whole stream, shard by shard (one shard ``0`` without shards)."""
-    shards = _num_shards(dataset)
-    if shards is None:
-        return ((0, offset, item) for offset, item in enumerate(dataset))
-    return ((shard, offset, item) for shard in range(shards) for offset, item in enumerate(dataset.iter_shard(shard)))

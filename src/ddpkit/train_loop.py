@@ -35,7 +35,7 @@ from ddpkit.evaluation import predict_in_order
 from ddpkit.launch import StartMethod
 from ddpkit.plotting import plot_history
 from ddpkit.preemption import PreemptionHandler
-from ddpkit.process_group import get_rank, get_world_size, is_distributed, rank_device
+from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, is_distributed, rank_device
 from ddpkit.step_plan import Accumulation, GlobalBatch, GlobalSteps, TrainingEpochs, average_gradients
 from ddpkit.train_launch import fit_on_new_processes
 
@@ -184,9 +184,13 @@ class TrainLoop:
     ) -> dict[str, list[float]]:
         """Train for ``num_epochs`` epochs (in all, counting those a checkpoint already holds).
 
-        With a process group (e.g. inside :meth:`fit_distributed` or under
-        ``ddpkit run``) every rank must call it: the model is wrapped in DDP and
-        the loaders are sharded; without one it trains in this process.
+        In a process that a launcher started as one of several ranks (torchrun,
+        ``ddpkit run``, ``srun``, ``mpirun``) it first creates the default
+        process group if none exists (:func:`~ddpkit.ensure_dist_connection`);
+        a group that exists (inside :meth:`fit_distributed`, or made by
+        ``init_process_group``) is used as it is. With a group every rank must
+        call it: the model is wrapped in DDP and the loaders are sharded. A
+        process alone trains in this process.
 
         Args:
             num_epochs: the epoch to stop after.
@@ -207,6 +211,7 @@ class TrainLoop:
             raise ValueError(f"num_epochs={num_epochs} and grad_accumulation={grad_accumulation} must be >= 1")
         if self.global_batch is not None:
             self.global_batch.check_no_accumulation(grad_accumulation)
+        ensure_dist_connection()  # under torchrun, srun, mpirun...: one job, not N copies
         self.callbacks_handler.register_callbacks(callbacks)
         model = self._setup()
         if TrainState.resume(self) and get_rank() == 0:
@@ -307,6 +312,7 @@ class TrainLoop:
         loader = loader if loader is not None else self.validation_loader
         if loader is None:
             raise ValueError("evaluate() needs a loader: pass one or give the TrainLoop a validation_loader")
+        ensure_dist_connection()
         self.model.to(self.device)
         predictions, targets = predict_in_order(self.model, loader, self.predict_step, self.batch_to_device)
         return self.compute_metrics(predictions, targets)

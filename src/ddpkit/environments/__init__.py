@@ -7,7 +7,13 @@ frozen :class:`ClusterSettings`; nothing here writes ``os.environ``.
 from __future__ import annotations
 
 from ddpkit.environments.base import ClusterEnvironment, ClusterSettings, find_free_port, is_loopback
-from ddpkit.environments.detect import CLUSTER_ENV_VARIABLE, ENVIRONMENTS, detect_environment
+from ddpkit.environments.detect import (
+    CLUSTER_ENV_VARIABLE,
+    ENVIRONMENTS,
+    detect_environment,
+    is_one_of_several_ranks,
+    launched_environment,
+)
 from ddpkit.environments.kubeflow import KubeflowEnvironment
 from ddpkit.environments.local import LocalEnvironment
 from ddpkit.environments.lsf import LSFEnvironment
@@ -30,4 +36,6 @@ __all__ = [
     "expand_hostlist",
     "find_free_port",
     "is_loopback",
+    "is_one_of_several_ranks",
+    "launched_environment",
 ]

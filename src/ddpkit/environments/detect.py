@@ -13,7 +13,13 @@ from ddpkit.environments.slurm import SLURMEnvironment
 from ddpkit.environments.torchelastic import TorchElasticEnvironment
 from ddpkit.errors import ClusterEnvironmentError
 
-__all__ = ["CLUSTER_ENV_VARIABLE", "ENVIRONMENTS", "detect_environment"]
+__all__ = [
+    "CLUSTER_ENV_VARIABLE",
+    "ENVIRONMENTS",
+    "detect_environment",
+    "is_one_of_several_ranks",
+    "launched_environment",
+]
 
 #: Set to one of :data:`ENVIRONMENTS`' names to skip detection (``local`` turns SLURM detection off).
 CLUSTER_ENV_VARIABLE = "DDPKIT_CLUSTER_ENV"
@@ -58,3 +64,27 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ClusterEnvironme
         if cls.detect(source):
             return cls(source)
     return LocalEnvironment(source)  # unreachable: LocalEnvironment.detect() is always true
+
+
+def is_one_of_several_ranks(environment: ClusterEnvironment) -> bool:
+    """Whether ``environment`` says a launcher started this process as one of several ranks of one job.
+
+    That is: something other than this process created the job's processes
+    (torchrun, ``ddpkit run``, ``srun``, ``mpirun``, a Kubeflow or LSF job, or
+    ``RANK`` set by hand) and the world size is above 1. ``python train.py``,
+    one SLURM task or ``WORLD_SIZE=1`` is a process alone.
+    """
+    return environment.creates_processes_externally and environment.world_size() > 1
+
+
+def launched_environment(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
+    """The detected environment when a launcher started this process as one of several ranks; else ``None``.
+
+    The one rule every entry point of ddpkit applies before it decides that it
+    runs alone (see :func:`is_one_of_several_ranks`).
+
+    Raises:
+        ClusterEnvironmentError: as :func:`detect_environment` (half-set or contradictory variables).
+    """
+    environment = detect_environment(env)
+    return environment if is_one_of_several_ranks(environment) else None

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from ddpkit._compat import override
-from ddpkit.process_group import collective_device, get_rank, get_world_size, is_distributed
+from ddpkit.process_group import collective_device, ensure_dist_connection, get_rank, get_world_size, is_distributed
 from ddpkit.samplers.layout import EpochLayout, Tail, tail_of
 from ddpkit.samplers.order import Order, check_same_order, draw_order, epoch_seed, forward_epoch
 
@@ -43,7 +43,9 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
     Args:
         sampler: any sampler (yields indices) or batch sampler (yields lists of
             indices) with ``__len__``.
-        num_replicas: number of ranks; default the process group's world size, or 1.
+        num_replicas: number of ranks; default the process group's world size
+            (created first if a launcher started this process as one of
+            several ranks, see :func:`~ddpkit.ensure_dist_connection`), or 1.
         rank: this rank; default the process group's rank, or 0.
         shuffle: also shuffle the entries' positions between ranks (a local
             generator seeded with ``seed + epoch``, as ``DistributedSampler``; the
@@ -92,6 +94,8 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
             raise TypeError(
                 f"{type(sampler).__name__} has no __len__; DistributedSamplerWrapper needs to size the shards"
             )
+        if num_replicas is None or rank is None:
+            ensure_dist_connection()  # a launcher's rank without its group yet: make it, never assume one process
         replicas = get_world_size() if num_replicas is None else num_replicas
         this_rank = get_rank() if rank is None else rank
         if replicas < 1 or not 0 <= this_rank < replicas:

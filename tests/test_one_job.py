@@ -1,0 +1,214 @@
+"""One job, whatever the way in: entry point x way of starting x data, each checked for the DDP invariants.
+
+Every rank sees the world size, each training sample is used once per epoch
+(up to the documented padding), rank 0 alone prints and writes the
+checkpoint, and the final weights equal those of the same code in the session
+pool (processes spawned with ``init_process_group(rank=, world_size=,
+init_method="file://...")``), which equal ``fit_distributed``'s. The code is
+``tests/one_job.py``: the pool runs its cases, and every launcher row runs it
+as a script (end-to-end, one launch per row, every case in it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ddpkit
+from ddpkit.errors import ClusterEnvironmentError
+from ddpkit.testing import run_parallel
+from tests import one_job
+
+ROOT = Path(__file__).parents[1]
+SCRIPT = ROOT / "tests" / "one_job.py"
+SAMPLES = 1438  # the digits' training split
+#: Items a rank may repeat in an epoch: DistributedSampler-style padding, or a stream's padding batches.
+PADDING_ALLOWED = 4 * one_job.BATCH
+CASES = [(entry, data) for entry in one_job.ENTRY_POINTS for data in one_job.DATA]
+#: Each case's final weights in the session pool, computed once per session.
+_REFERENCE: dict[tuple[str, str], list[float]] = {}
+
+
+def check_case(results: list[dict[str, Any]], reference: list[float] | None = None) -> None:
+    """The DDP invariants of one case, given each rank's result."""
+    results = sorted(results, key=lambda result: int(result["rank"]))
+    case = f"{results[0]['entry']} on {results[0]['data']}"
+    assert [r["rank"] for r in results] == [0, 1], case
+    assert [r["world_size"] for r in results] == [2, 2], case
+    seen = Counter(index for result in results for index in result["seen"])
+    assert set(seen) == set(range(SAMPLES)), f"{case}: samples never trained on"
+    repeated = sum(seen.values()) - SAMPLES
+    assert repeated <= PADDING_ALLOWED, f"{case}: {repeated} samples used twice (independent copies?)"
+    assert results[0]["printed"].strip(), f"{case}: rank 0 printed nothing"
+    assert results[1]["printed"] == "", f"{case}: rank 1 printed {results[1]['printed']!r}"
+    assert [r["writes"] > 0 for r in results] == [True, False], f"{case}: checkpoint writes per rank"
+    final = [torch.tensor(r["weights"]) for r in results]
+    torch.testing.assert_close(final[1], final[0], rtol=0, atol=1e-6, msg=f"{case}: ranks disagree")
+    if reference is not None:
+        torch.testing.assert_close(final[0], torch.tensor(reference), rtol=0, atol=1e-5, msg=f"{case}: weights")
+
+
+def _as_in_the_ddp_tutorial(entry: str, data: str, out_dir: str) -> dict[str, Any]:
+    """A case in a pool worker as in processes that PyTorch's DDP tutorial starts: a group made with
+    ``init_process_group(rank=, world_size=, init_method="file://...")``, no ``RANK``/``WORLD_SIZE``
+    variables, DataLoader workers spawned (they inherit nothing of the rank's group)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)  # the pool restores them after the task
+    return one_job.run_case(entry, data, out_dir, "spawn")
+
+
+def _reference(tmp_path: Path) -> dict[tuple[str, str], list[float]]:
+    for entry, data in CASES:
+        if (entry, data) not in _REFERENCE:
+            results = run_parallel(_as_in_the_ddp_tutorial, entry, data, str(tmp_path), timeout=60)
+            _REFERENCE[entry, data] = results[0]["weights"]
+    return _REFERENCE
+
+
+# --- in the session pool: processes that made their group with init_process_group(rank=, world_size=) ---------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("entry", "data"), CASES)
+def test_every_entry_point_is_one_job_under_a_group_made_by_hand(entry: str, data: str, tmp_path: Path) -> None:
+    results = run_parallel(_as_in_the_ddp_tutorial, entry, data, str(tmp_path), timeout=60)
+    assert all(result["group_before"] for result in results)
+    check_case(results)
+    _REFERENCE[entry, data] = results[0]["weights"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_fit_distributed_ends_with_the_weights_of_a_fit_in_the_pool(tmp_path: Path) -> None:
+    reference = _reference(tmp_path / "pool")[("fit", "map0")]
+    loop = one_job.make_loop("map0", str(tmp_path / "ck"))
+    loop.fit_distributed(1, num_processes=2)
+    torch.testing.assert_close(torch.tensor(one_job.weights(loop.model)), torch.tensor(reference), rtol=0, atol=1e-5)
+
+
+# --- launchers: one launch each, every case in it ---------------------------------------------------------
+
+
+def _environment() -> dict[str, str]:
+    """This shell's environment without what the test session set (pytest's, ddpkit's, a process group's)."""
+    drop = ("DDPKIT_", "PYTEST_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "OMPI_", "PMI")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"  # CI runs as root
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _launch_and_check(command: list[str], out: Path, reference: dict[tuple[str, str], list[float]]) -> None:
+    out.mkdir()
+    done = subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=240, env=_environment())
+    assert done.returncode == 0, done.stdout + done.stderr
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for results in zip(*ranks, strict=True):
+        check_case(list(results), reference[results[0]["entry"], results[0]["data"]])
+
+
+LAUNCHERS = {
+    # (command before the script's arguments, the entry point that must create the group)
+    "ddpkit run": ([sys.executable, "-m", "ddpkit", "run", "-n", "2"], "fit"),
+    "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"], "patch"),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_a_launcher_that_sets_only_variables_gets_one_job_from_every_entry_point(launcher: str, tmp_path: Path) -> None:
+    prefix, first = LAUNCHERS[launcher]
+    out = tmp_path / "job"
+    _launch_and_check([*prefix, str(SCRIPT), str(out), first], out, _reference(tmp_path / "pool"))
+    first_case = json.loads((out / "rank0.json").read_text())[0]
+    assert (first_case["entry"], first_case["group_before"]) == (first, False), "the entry point made the group"
+
+
+@pytest.mark.slurm
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_srun_with_two_tasks_gets_one_job_from_every_entry_point(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    _launch_and_check(
+        ["srun", "-N", "2", "-n", "2", sys.executable, str(SCRIPT), str(out), "fit"], out, _reference(tmp_path / "pool")
+    )
+
+
+@pytest.mark.mpi
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_mpirun_with_two_ranks_gets_one_job_from_every_entry_point(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    command = ["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(SCRIPT), str(out), "handler"]
+    _launch_and_check(command, out, _reference(tmp_path / "pool"))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("way", ["spawn-tcp", "launch"])
+def test_a_group_made_before_the_entry_points_is_used_as_it_is(way: str, tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    _launch_and_check([sys.executable, str(SCRIPT), str(out), way], out, _reference(tmp_path / "pool"))
+    assert all(case["group_before"] for case in json.loads((out / "rank1.json").read_text()))
+
+
+# --- the rule, entry point by entry point, without processes --------------------------------------------
+
+
+def _half_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher's variables without MASTER_PORT: the group cannot be made."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "DDPKIT_CLUSTER_ENV"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+
+
+ENTRY_CALLS = {
+    "TrainLoop.fit": lambda: one_job.make_loop("map0", None).fit(1),
+    "TrainLoop.evaluate": lambda: one_job.make_loop("map0", None).evaluate(),
+    "patch_dataloader_to_ddp": lambda: ddpkit.patch_dataloader_to_ddp(one_job.train_loader("map0")),
+    "DDPHandler": lambda: ddpkit.DDPHandler(
+        one_job._AitoolboxStyleLoop(one_job.train_loader("map0"))
+    ).add_distributed_samplers(2, 1),
+    "DistributedSamplerWrapper": lambda: ddpkit.DistributedSamplerWrapper(range(10)),
+    "DDPPlugin.configure_ddp": lambda: ddpkit.DDPPlugin().configure_ddp(nn.Linear(2, 2), None),
+    "StreamDataLoader": lambda: next(iter(ddpkit.StreamDataLoader(one_job.IndexedDigitsStream(), batch_size=4))),
+    "ShardedStream": lambda: next(iter(ddpkit.ShardedStream(one_job.IndexedDigitsStream()))),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_CALLS))
+def test_every_entry_point_applies_the_rule_and_names_what_it_found(
+    entry: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _half_set(monkeypatch)
+    with pytest.raises(ClusterEnvironmentError, match=r"WORLD_SIZE=2, RANK=1, but MASTER_PORT is not set"):
+        ENTRY_CALLS[entry]()
+    assert not ddpkit.is_distributed()
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [{}, {"WORLD_SIZE": "1", "RANK": "0"}, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}],
+    ids=["plain python", "WORLD_SIZE=1", "one SLURM task"],
+)
+def test_a_process_alone_trains_in_this_process(variables: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WORLD_SIZE", "RANK", "MASTER_PORT", "DDPKIT_CLUSTER_ENV"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**variables, "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "7"}.items():
+        monkeypatch.setenv(name, value)
+    assert not ddpkit.ensure_dist_connection()
+    loader = one_job.train_loader("map0")
+    with pytest.warns(ddpkit.WarningDDP):
+        assert ddpkit.patch_dataloader_to_ddp(loader) is loader
+    assert not ddpkit.is_distributed()
