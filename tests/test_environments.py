@@ -21,7 +21,7 @@ from ddpkit import (
     TorchElasticEnvironment,
     detect_environment,
 )
-from ddpkit.environments import expand_hostlist
+from ddpkit.environments import expand_hostlist, is_one_of_several_ranks, launched_environment
 
 
 def settings_of(env: ClusterEnvironment) -> tuple[str, int, int, int, int, int]:
@@ -390,6 +390,39 @@ def test_lsf_errors_name_the_rankfile(rankfile: Path, tmp_path: Path) -> None:
 )
 def test_detect_environment_picks_the_most_specific_launcher(env: dict[str, str], expected: type) -> None:
     assert type(detect_environment(env)) is expected
+
+
+@pytest.mark.parametrize(
+    ("env", "launched"),
+    [
+        ({}, False),  # python train.py
+        ({"RANK": "0", "WORLD_SIZE": "1"}, False),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, True),  # set by hand, or by a tutorial's script
+        (
+            {**TORCHRUN, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "GROUP_RANK": "0"},
+            False,
+        ),
+        (TORCHRUN, True),
+        (SLURM, True),
+        ({**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}, False),
+        ({**SLURM, "SLURM_JOB_NAME": "interactive"}, False),  # an allocation's shell: start the processes yourself
+        (OPEN_MPI, True),
+        (KUBEFLOW, True),
+    ],
+)
+def test_one_rule_says_whether_a_launcher_started_this_process_as_one_of_several_ranks(
+    env: dict[str, str], launched: bool
+) -> None:
+    assert is_one_of_several_ranks(detect_environment(env)) is launched
+    found = launched_environment(env)
+    assert (found is not None) is launched
+    if found is not None:
+        assert found.world_size() > 1
+
+
+def test_the_rule_raises_for_half_set_variables_naming_them() -> None:
+    with pytest.raises(ClusterEnvironmentError, match=r"WORLD_SIZE='2' is set but RANK is not"):
+        launched_environment({"WORLD_SIZE": "2"})
 
 
 def test_override_forces_an_environment_and_local_turns_slurm_off() -> None:

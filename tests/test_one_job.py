@@ -22,11 +22,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 import ddpkit
 from ddpkit.errors import ClusterEnvironmentError
 from ddpkit.testing import run_parallel
 from tests import one_job
+from tests.helpers import SETTLED_FORK
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "tests" / "one_job.py"
@@ -211,4 +213,36 @@ def test_a_process_alone_trains_in_this_process(variables: dict[str, str], monke
     loader = one_job.train_loader("map0")
     with pytest.warns(ddpkit.WarningDDP):
         assert ddpkit.patch_dataloader_to_ddp(loader) is loader
+    assert not ddpkit.is_distributed()
+
+
+def _handler_given(world_size: int, rank: int | None) -> str:
+    loop = one_job._AitoolboxStyleLoop(one_job.train_loader("map0"))
+    try:
+        ddpkit.DDPHandler(loop).add_distributed_samplers(world_size, ddpkit.get_rank() if rank is None else rank)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_ddp_handler_given_a_contradicting_rank_raises_on_every_rank_naming_each_ranks_values() -> None:
+    assert run_parallel(_handler_given, 2, None) == ["accepted", "accepted"]
+    results = run_parallel(_handler_given, 2, 0)  # every rank says it is rank 0
+    assert len(set(results)) == 1
+    assert "(rank 0: world_size=2, rank=0, rank 1: world_size=2, rank=0)" in results[0]
+    assert "pass world_size=ddpkit.get_world_size(), rank=ddpkit.get_rank()" in results[0]
+
+
+def test_a_stream_in_a_worker_whose_process_had_no_group_under_a_launcher_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plain DataLoader over a ShardedStream, iterated before the group exists in a launcher's process: the
+    forked worker cannot know its rank and says so instead of reading the whole stream."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "29400"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("DDPKIT_CLUSTER_ENV", raising=False)
+    stream = ddpkit.ShardedStream(one_job.IndexedDigitsStream())
+    loader = DataLoader(stream, batch_size=4, num_workers=1, multiprocessing_context=SETTLED_FORK)
+    with pytest.raises(ddpkit.DDPKitError, match="cannot tell its rank"):
+        next(iter(loader))
     assert not ddpkit.is_distributed()

@@ -9,9 +9,9 @@ import torch
 from torch.utils.data import DistributedSampler, RandomSampler
 
 from ddpkit.callbacks import DistributedSamplerSetEpoch
-from ddpkit.collectives import mp_sync, mp_sync_dict
+from ddpkit.collectives import gather_all_tensors, mp_sync, mp_sync_dict
 from ddpkit.loaders import build_loader_sampler, distributed_sampler_of, stream_loader
-from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size
+from ddpkit.process_group import ensure_dist_connection, get_world_size
 from ddpkit.streams import is_stream
 
 __all__ = ["LOADER_ATTRIBUTES", "DDPHandler"]
@@ -60,17 +60,14 @@ class DDPHandler:
             rank: rank of the current process.
 
         Raises:
-            ValueError: a default process group exists and ``world_size`` or
-                ``rank`` contradict it (on every rank whose values do).
+            ValueError: a default process group exists and some rank's
+                ``world_size`` or ``rank`` contradict it (on every rank, naming
+                each rank's values; one small gather checks it).
             ClusterEnvironmentError: a launcher's variables are half-set, so the
                 group cannot be made (naming them).
         """
-        if ensure_dist_connection() and (world_size, rank) != (get_world_size(), get_rank()):
-            raise ValueError(
-                f"add_distributed_samplers(world_size={world_size}, rank={rank}) contradicts the default process "
-                f"group, where this process is rank {get_rank()} of {get_world_size()}: pass "
-                "world_size=ddpkit.get_world_size(), rank=ddpkit.get_rank()"
-            )
+        if ensure_dist_connection():
+            _check_placement(world_size, rank)
         loop = self.train_loop_obj
         seed = int(getattr(loop, "seed", 0))
         generators, streams = [], []
@@ -121,3 +118,15 @@ class DDPHandler:
     def mp_sync_dict(self, dict_data: dict[Any, Any]) -> dict[Any, Any]:
         """Multiprocess sync of a dict (aitoolbox's): :func:`ddpkit.mp_sync_dict`, one exchange for all keys."""
         return mp_sync_dict(dict_data)
+
+
+def _check_placement(world_size: int, rank: int) -> None:
+    """Raise on every rank unless every rank's ``(world_size, rank)`` is its place in the default group."""
+    given = [tuple(values.tolist()) for values in gather_all_tensors(torch.tensor([world_size, rank]))]
+    if all(values == (get_world_size(), index) for index, values in enumerate(given)):
+        return
+    wrong = ", ".join(f"rank {index}: world_size={w}, rank={r}" for index, (w, r) in enumerate(given))
+    raise ValueError(
+        f"add_distributed_samplers got a world size or rank that contradicts the default process group of "
+        f"{get_world_size()} ranks ({wrong}); pass world_size=ddpkit.get_world_size(), rank=ddpkit.get_rank()"
+    )
