@@ -142,3 +142,33 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
     assert np.array_equal(again[1], expected[1])
     assert again[2] == expected[2]
     assert os.listdir(tmp_path) == ["rng.pt"]
+
+
+def _train_state(version: int) -> dict[str, Any]:
+    return {
+        "version": version,
+        "model": {"w": torch.ones(2)},
+        "optimizer": {},
+        "epoch": 1,
+        "position": 0,
+        "epoch_sums": torch.zeros(2, dtype=torch.float64),
+        "global_step": 3,
+        "seed": 0,
+        "world_size": 2,
+        "rng": [rng_state()],
+    }
+
+
+def test_every_earlier_train_state_version_is_read_and_a_later_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    current = checkpoint.TrainState.VERSION
+    monkeypatch.setattr(checkpoint.TrainState, "VERSION", current + 1)  # the next format: the current one still reads
+    for version in range(2, current + 2):
+        save_checkpoint(_train_state(version), tmp_path / f"v{version}.pt")
+        assert checkpoint.TrainState.load(tmp_path / f"v{version}.pt").global_step == 3
+    save_checkpoint(_train_state(current + 2), tmp_path / "later.pt")
+    with pytest.raises(
+        ValueError, match=rf"of version {current + 2}; this ddpkit reads .* versions 1 to {current + 1}"
+    ):
+        checkpoint.TrainState.load(tmp_path / "later.pt")

@@ -221,7 +221,7 @@ class TrainState:
         version = state.pop("version", None)
         if version == 1:
             state["position"] = 0  # restore() takes it from "batch"
-        elif version not in (2, cls.VERSION):
+        elif not (isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= cls.VERSION):
             raise ValueError(
                 f"{path} is a checkpoint of version {version!r}; this ddpkit reads TrainLoop checkpoints of versions "
                 f"1 to {cls.VERSION}. Start from another checkpoint_dir, or resume with the ddpkit that wrote it"
