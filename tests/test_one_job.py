@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -246,3 +247,36 @@ def test_a_stream_in_a_worker_whose_process_had_no_group_under_a_launcher_says_s
     with pytest.raises(ddpkit.DDPKitError, match="cannot tell its rank"):
         next(iter(loader))
     assert not ddpkit.is_distributed()
+
+
+def _train_on_prebuilt_sampler(loader: DataLoader[Any]) -> tuple[int, int, list[int]]:
+    loop = one_job._AitoolboxStyleLoop(loader)
+    ddpkit.DDPHandler(loop).add_distributed_samplers(dist.get_world_size(), dist.get_rank())
+    sampler = loop.train_loader.sampler
+    return sampler.num_replicas, sampler.rank, [int(i) for i in sampler]
+
+
+def test_a_sampler_built_with_default_placement_before_the_group_takes_each_ranks_place() -> None:
+    # built here, where there is no group (as before fit_distributed), then pickled to the ranks
+    loader = DataLoader(range(10), sampler=ddpkit.DistributedSamplerWrapper(range(10)))
+    results = run_parallel(_train_on_prebuilt_sampler, loader)
+    assert [(replicas, rank) for replicas, rank, _ in results] == [(2, 0), (2, 1)]
+    assert sorted(index for *_, indices in results for index in indices) == list(range(10))
+
+
+def _handler_error(loader: DataLoader[Any]) -> str:
+    try:
+        ddpkit.DDPHandler(one_job._AitoolboxStyleLoop(loader)).add_distributed_samplers(2, dist.get_rank())
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_a_sampler_built_for_another_rank_raises_on_every_rank() -> None:
+    loader = DataLoader(range(10), sampler=ddpkit.DistributedSamplerWrapper(range(10), num_replicas=2, rank=0))
+    results = run_parallel(_handler_error, loader)  # every rank got rank 0's sampler: rank 1 finds it
+    assert results[1].startswith("the train_loader's DistributedSamplerWrapper was built for rank 0 of 2, but this ")
+    assert (
+        results[0] == "rank(s) 1 found a loader sharded for another rank or world size (their error says which); "
+        "this rank stops too"
+    )

@@ -12,6 +12,7 @@ from ddpkit.callbacks import DistributedSamplerSetEpoch
 from ddpkit.collectives import gather_all_tensors, mp_sync, mp_sync_dict
 from ddpkit.loaders import build_loader_sampler, distributed_sampler_of, stream_loader
 from ddpkit.process_group import ensure_dist_connection, get_world_size
+from ddpkit.samplers import DistributedSamplerWrapper
 from ddpkit.streams import is_stream
 
 __all__ = ["LOADER_ATTRIBUTES", "DDPHandler"]
@@ -59,16 +60,30 @@ class DDPHandler:
             world_size: world size of the distributed training.
             rank: rank of the current process.
 
+        A loader sharded already keeps its sampler; a
+        :class:`~ddpkit.DistributedSamplerWrapper` built with the default
+        placement (before the group existed, e.g. in the process that calls
+        ``fit_distributed``) is placed at ``rank`` of ``world_size``.
+
         Raises:
             ValueError: a default process group exists and some rank's
-                ``world_size`` or ``rank`` contradict it (on every rank, naming
-                each rank's values; one small gather checks it).
+                ``world_size`` or ``rank`` contradict it, or a loader's sampler
+                was sharded for another rank or world size by explicit
+                ``num_replicas``/``rank`` (on every rank, naming each rank's
+                values; one small gather checks it).
             ClusterEnvironmentError: a launcher's variables are half-set, so the
                 group cannot be made (naming them).
         """
-        if ensure_dist_connection():
-            _check_placement(world_size, rank)
         loop = self.train_loop_obj
+        problems = [
+            problem
+            for name, _ in LOADER_ATTRIBUTES
+            if (problem := _misplaced_sampler(getattr(loop, name, None), name, world_size, rank)) is not None
+        ]
+        if ensure_dist_connection():
+            _check_placement(world_size, rank, problems)
+        elif problems:
+            raise ValueError("; ".join(problems))
         seed = int(getattr(loop, "seed", 0))
         generators, streams = [], []
         for name, for_evaluation in LOADER_ATTRIBUTES:
@@ -81,6 +96,9 @@ class DDPHandler:
                 continue
             existing = distributed_sampler_of(loader)
             if existing is not None:
+                if isinstance(existing, DistributedSamplerWrapper) and existing.default_placement:
+                    # built before this rank's group existed (in the process that called fit_distributed, say)
+                    existing.num_replicas, existing.rank = world_size, rank
                 self.samplers[name] = existing
                 continue
             shuffle = isinstance(loader.sampler, RandomSampler)
@@ -120,12 +138,36 @@ class DDPHandler:
         return mp_sync_dict(dict_data)
 
 
-def _check_placement(world_size: int, rank: int) -> None:
-    """Raise on every rank unless every rank's ``(world_size, rank)`` is its place in the default group."""
-    given = [tuple(values.tolist()) for values in gather_all_tensors(torch.tensor([world_size, rank]))]
-    if all(values == (get_world_size(), index) for index, values in enumerate(given)):
+def _misplaced_sampler(loader: Any, name: str, world_size: int, rank: int) -> str | None:
+    """What is wrong with ``loader``'s distributed sampler for rank ``rank`` of ``world_size``, or ``None``."""
+    sampler = distributed_sampler_of(loader) if loader is not None and not is_stream(loader) else None
+    if sampler is None or (sampler.num_replicas, sampler.rank) == (world_size, rank):
+        return None
+    if isinstance(sampler, DistributedSamplerWrapper) and sampler.default_placement:
+        return None  # placed by add_distributed_samplers
+    return (
+        f"the {name}'s {type(sampler).__name__} was built for rank {sampler.rank} of {sampler.num_replicas}, but "
+        f"this process is rank {rank} of {world_size}: build it without num_replicas and rank (they default to the "
+        "process group's), or give TrainLoop the unsharded loader"
+    )
+
+
+def _check_placement(world_size: int, rank: int, problems: list[str]) -> None:
+    """Raise on every rank unless every rank's ``(world_size, rank)`` is its place in the default group and no
+    rank found a sampler built for another place (one gather)."""
+    mine = torch.tensor([world_size, rank, int(bool(problems))])
+    given = [tuple(values.tolist()) for values in gather_all_tensors(mine)]
+    if all((w, r, bad) == (get_world_size(), index, 0) for index, (w, r, bad) in enumerate(given)):
         return
-    wrong = ", ".join(f"rank {index}: world_size={w}, rank={r}" for index, (w, r) in enumerate(given))
+    if problems:
+        raise ValueError("; ".join(problems))
+    with_problems = [index for index, (_, _, bad) in enumerate(given) if bad]
+    if with_problems:
+        raise ValueError(
+            f"rank(s) {', '.join(map(str, with_problems))} found a loader sharded for another rank or world size "
+            "(their error says which); this rank stops too"
+        )
+    wrong = ", ".join(f"rank {index}: world_size={w}, rank={r}" for index, (w, r, _) in enumerate(given))
     raise ValueError(
         f"add_distributed_samplers got a world size or rank that contradicts the default process group of "
         f"{get_world_size()} ranks ({wrong}); pass world_size=ddpkit.get_world_size(), rank=ddpkit.get_rank()"

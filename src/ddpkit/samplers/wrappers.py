@@ -105,6 +105,9 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
         self.sampler = sampler
         self.num_replicas = replicas
         self.rank = this_rank
+        #: Whether ``num_replicas`` and ``rank`` were left to default (a ``TrainLoop`` then places the sampler
+        #: in the rank that trains with it, wherever it was built).
+        self.default_placement = num_replicas is None and rank is None
         self.epoch = 0
         self.shuffle = shuffle
         self.seed = seed
