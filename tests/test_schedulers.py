@@ -223,7 +223,7 @@ def test_sigusr1_checkpoints_at_the_next_step_requeues_and_the_job_ends_bit_iden
     first = [step for attempt, step in steps if attempt == 0]
     second = [step for attempt, step in steps if attempt == 1]
     stop = max(first)
-    assert f"ddpkit: SIGUSR1 at step {stop}: checkpoint saved in {signalled / 'ckpt'}; requeued job {job}" in output
+    assert f"ddpkit: SIGUSR1 at step {stop}: checkpoint saved in {signalled / 'ckpt'}; requeueing job {job}" in output
     assert second == list(range(stop + 1, 47)), "resumed right after the step that saved, 23 steps per epoch"
     final = torch.load(plain / "weights.pt", weights_only=True)
     for name, tensor in torch.load(signalled / "weights.pt", weights_only=True).items():

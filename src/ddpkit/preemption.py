@@ -99,10 +99,13 @@ class PreemptionHandler:
         name = signal.Signals(signum).name
         if get_rank() == 0:
             job = _job_id()
+            then = f"requeueing job {job}: it resumes from there" if self.requeue else "requeue=False: the job stops"
+            # Said first: the requeue cancels this step at once, and srun may forward nothing written after it.
+            print(
+                f"ddpkit: {name} at step {step}: checkpoint saved in {checkpoint}; {then}", file=sys.stderr, flush=True
+            )
             if self.requeue:
                 subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, text=True)
-            then = f"requeued job {job}: it resumes from there" if self.requeue else "requeue=False: the job stops"
-            print(f"ddpkit: {name} at step {step}: checkpoint saved in {checkpoint}; {then}", file=sys.stderr)
         raise Preempted(name, step, self.requeue)
 
 
