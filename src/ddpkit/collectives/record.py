@@ -38,8 +38,9 @@ import torch
 from ddpkit.errors import DDPKitError
 from ddpkit.framing import BODY_INLINE, HEAD_INLINE, PREFIX, body_offset, pack_prefix, unpack_prefix
 
-__all__ = ["RecordView", "host_bytes", "read_all", "write", "write_plain"]
+__all__ = ["Header", "RecordView", "host_bytes", "read_all", "write", "write_plain"]
 
+#: A record's metadata: plain data (JSON-encoded in the record's head); ``transport`` uses the same type.
 Header = dict[str, Any]
 
 

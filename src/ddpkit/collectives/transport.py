@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ __all__ = [
     "raise_errors",
 ]
 
-Header = dict[str, Any]
+Header = record.Header
 Check = Callable[[list[Header]], None]
 
 # Below this many bytes in all, a padded all_gather beats one broadcast per rank on gloo.
