@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["SETTLED_FORK", "alive", "listening_sockets", "refused", "settle_dying_threads"]
+__all__ = ["SETTLED_FORK", "alive", "job_environment", "listening_sockets", "refused", "settle_dying_threads"]
 
 
 def alive(pid: int) -> bool:
@@ -91,3 +91,12 @@ class _SettledForkContext(multiprocessing.context.ForkContext):
 #: A ``fork`` context for DataLoader workers that first lets the last iterator's threads exit (see
 #: :func:`settle_dying_threads`).
 SETTLED_FORK = _SettledForkContext()
+
+
+def job_environment() -> dict[str, str]:
+    """This shell's environment for a job a test starts (srun, mpirun, torchrun, ...): without what the test
+    session set (pytest's, ddpkit's, a process group's), Open MPI allowed to run as root (as CI does)."""
+    drop = ("DDPKIT_", "PYTEST_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "OMPI_", "PMI")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    return env

@@ -29,7 +29,7 @@ import ddpkit
 from ddpkit.errors import ClusterEnvironmentError
 from ddpkit.testing import run_parallel
 from tests import one_job
-from tests.helpers import SETTLED_FORK
+from tests.helpers import SETTLED_FORK, job_environment
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "tests" / "one_job.py"
@@ -102,10 +102,8 @@ def test_fit_distributed_ends_with_the_weights_of_a_fit_in_the_pool(tmp_path: Pa
 
 
 def _environment() -> dict[str, str]:
-    """This shell's environment without what the test session set (pytest's, ddpkit's, a process group's)."""
-    drop = ("DDPKIT_", "PYTEST_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "OMPI_", "PMI")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"  # CI runs as root
+    """:func:`job_environment` with the checkout on ``PYTHONPATH`` (the script imports ``tests.helpers``)."""
+    env = job_environment()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 

@@ -7,7 +7,6 @@ sets DDPKIT_REQUIRE_SCHEDULERS=1, which turns a skip into a failure.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -18,20 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import job_environment
+
 ROOT = Path(__file__).parents[1]
 DDPKIT = [sys.executable, "-m", "ddpkit"]
 
 
 def _run(command: list[str], cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_task_env())
-
-
-def _task_env() -> dict[str, str]:
-    """This shell's environment without what the test session set (pytest's, ddpkit's, a process group's)."""
-    drop = ("DDPKIT_", "PYTEST_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "OMPI_", "PMI")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"  # CI runs as root
-    return env
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=job_environment())
 
 
 def _submit(script: str, cwd: Path) -> str:
