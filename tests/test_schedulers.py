@@ -112,7 +112,9 @@ def test_a_failing_rank_under_kill_on_bad_exit_ends_the_job_in_seconds_naming_it
     assert time.monotonic() - started < 30
     assert result.returncode != 0
     assert "[rank1]: ValueError: bad batch on rank 1" in result.stderr
-    assert "task 1: Exited with exit code 1" in result.stderr
+    # srun names task 1's end: its exit status 1, or, when rank 0's barrier failed on the connection rank 1
+    # closed while rank 1 was still tearing down (seen under load), the SIGTERM of --kill-on-bad-exit.
+    assert re.search(r"task 1: (Exited with exit code 1|Terminated)", result.stderr), result.stderr
 
 
 @pytest.mark.slurm
