@@ -33,7 +33,7 @@ from ddpkit import (
     seed_everything,
 )
 from ddpkit._watchdog import hang_timeout
-from ddpkit.connection import _resolve_backend
+from ddpkit.connection import _backend_threads, _resolve_backend
 from ddpkit.process_group import collective_device
 from ddpkit.testing import run_parallel
 
@@ -327,3 +327,24 @@ def test_seed_everything_rejects_out_of_range_seeds() -> None:
         seed_everything(-1)
     with pytest.raises(ValueError, match=r"seed=4294967296"):
         seed_everything(2**32)
+
+
+# --- at exit ---------------------------------------------------------------------------------
+
+
+def _gloo_threads_around_a_ddp_module() -> tuple[list[str], list[str]]:
+    with_group = _backend_threads()
+    group = dist.new_group(backend="gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1), process_group=group)
+    dist.destroy_process_group(group)
+    del model
+    return with_group, _backend_threads()
+
+
+def test_the_exit_hook_sees_the_gloo_threads_that_torch_leaves_behind() -> None:
+    # The exit hook gives these threads the GIL before the interpreter finalizes; it must find them,
+    # and they outlive their group once a DDP module used it (why the hook is needed at all).
+    for before, after in run_parallel(_gloo_threads_around_a_ddp_module):
+        assert before, "no gloo thread found in a rank with a gloo group"
+        assert all(name.startswith("pt_gloo") for name in before), before
+        assert len(after) > len(before), (before, after)

@@ -11,9 +11,11 @@ jobs of several processes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -37,6 +39,44 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Seconds the main thread sleeps at exit, with the GIL released, while gloo's worker threads are alive.
+EXIT_GRACE_S = 0.1
+
+
+def _release_the_gil_to_backend_threads() -> None:
+    """At exit, before the interpreter finalizes: let gloo's worker threads drop what they still hold.
+
+    A gloo worker thread drops the tensors of the collective it has just finished after the caller was
+    told that the collective is done, and dropping a tensor that Python also knew takes the GIL. When the
+    main thread reaches interpreter finalization first (a rank that exits right after its last
+    collective), that worker thread is ended inside C++ code and the process aborts with "terminate
+    called without an active exception" (exit status 134), after its work was done. Torch keeps a
+    group's threads alive after ``destroy_process_group`` once a ``DistributedDataParallel`` module has
+    used the group, so a program that destroys its group is not safe either. Measured under srun with 2
+    tasks: 6 aborts in 40 runs of a plain DDP script without this, none in 65 with it.
+
+    Registered when ddpkit is imported, so it runs after the exit hooks registered later (the one that
+    destroys a group :func:`ensure_dist_connection` made included); it costs ``EXIT_GRACE_S`` seconds
+    only in a process that still has gloo threads.
+    """
+    if _backend_threads():
+        time.sleep(EXIT_GRACE_S)
+
+
+def _backend_threads() -> list[str]:
+    """The names of this process's gloo threads that torch named (``pt_gloo_runloop``; Linux only)."""
+    names = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
+                name = comm.read().strip()
+                if name.startswith("pt_gloo"):
+                    names.append(name)
+    return names
+
+
+atexit.register(_release_the_gil_to_backend_threads)  # registered first: runs after every later exit hook
 
 #: The port of the loopback store this process hosts for the default group (rank 0), if any.
 _served_port: int | None = None
