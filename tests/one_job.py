@@ -41,6 +41,7 @@ import ddpkit
 import ddpkit.environments
 from ddpkit import checkpoint as checkpoint_module
 from ddpkit.examples.digits import digits_datasets
+from ddpkit.training import state as training_state
 from tests.helpers import settle_dying_threads
 
 ENTRY_POINTS = ("fit", "patch", "handler")
@@ -180,7 +181,11 @@ def run_case(entry: str, data: str, out_dir: str, context: str | None = None) ->
         save(*args, **kwargs)
 
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), mock.patch.object(checkpoint_module, "save_checkpoint", counted):
+    with (
+        contextlib.redirect_stdout(printed),
+        mock.patch.object(checkpoint_module, "save_checkpoint", counted),
+        mock.patch.object(training_state, "save_checkpoint", counted),  # TrainLoop's checkpoints
+    ):
         if entry == "fit":
             seen, final = _fit(data, checkpoint_dir, context)
         elif entry == "patch":

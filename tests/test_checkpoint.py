@@ -18,6 +18,7 @@ import torch
 
 from ddpkit import checkpoint
 from ddpkit.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ddpkit.training import TrainState
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -162,13 +163,13 @@ def _train_state(version: int) -> dict[str, Any]:
 def test_every_earlier_train_state_version_is_read_and_a_later_one_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    current = checkpoint.TrainState.VERSION
-    monkeypatch.setattr(checkpoint.TrainState, "VERSION", current + 1)  # the next format: the current one still reads
+    current = TrainState.VERSION
+    monkeypatch.setattr(TrainState, "VERSION", current + 1)  # the next format: the current one still reads
     for version in range(2, current + 2):
         save_checkpoint(_train_state(version), tmp_path / f"v{version}.pt")
-        assert checkpoint.TrainState.load(tmp_path / f"v{version}.pt").global_step == 3
+        assert TrainState.load(tmp_path / f"v{version}.pt").global_step == 3
     save_checkpoint(_train_state(current + 2), tmp_path / "later.pt")
     with pytest.raises(
         ValueError, match=rf"of version {current + 2}; this ddpkit reads .* versions 1 to {current + 1}"
     ):
-        checkpoint.TrainState.load(tmp_path / "later.pt")
+        TrainState.load(tmp_path / "later.pt")

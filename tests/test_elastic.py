@@ -35,8 +35,8 @@ from ddpkit.examples.elastic import (
 )
 from ddpkit.examples.retrieval import BalancedBatchSampler
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout
-from ddpkit.step_plan import GlobalBatch
 from ddpkit.testing import run_parallel
+from ddpkit.training.steps import GlobalBatch
 
 # --- the global batch: steps and weights ---------------------------------------------------------
 

@@ -8,8 +8,8 @@ import signal
 import pytest
 
 from ddpkit.environments import detect_environment
-from ddpkit.preemption import Preempted, PreemptionHandler, _job_id
 from ddpkit.testing import run_parallel
+from ddpkit.training.preemption import Preempted, PreemptionHandler, _job_id
 
 _SLURM_TASK = {
     "SLURM_JOB_ID": "41",

@@ -18,6 +18,7 @@ from ddpkit import Callback, TrainLoop
 from ddpkit.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from ddpkit.examples.digits import digits_datasets, load_digits
 from ddpkit.testing import run_parallel
+from ddpkit.training import TrainState
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
 
@@ -343,24 +344,22 @@ def _failed_checkpoint_write(directory: str) -> tuple[str, float]:
 
     import torch.distributed as dist
 
-    from ddpkit import checkpoint
-
     train, _ = digits_datasets(seed=0)
     model = _model()
     loop = TrainLoop(model, DataLoader(train, batch_size=64), progress=False, checkpoint_dir=directory)
-    original = checkpoint.TrainState.save
+    original = TrainState.save
 
     def full_disk(self: Any, path: Any) -> None:
         raise OSError(28, "No space left on device", str(path))
 
-    checkpoint.TrainState.save = full_disk  # type: ignore[method-assign]
+    TrainState.save = full_disk  # type: ignore[method-assign]
     started = time.monotonic()
     try:
         loop.fit(1)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}", time.monotonic() - started
     finally:
-        checkpoint.TrainState.save = original  # type: ignore[method-assign]
+        TrainState.save = original  # type: ignore[method-assign]
         dist.barrier()
     return "no error", time.monotonic() - started
 

@@ -80,7 +80,7 @@ from ddpkit.process_group import (
 )
 from ddpkit.samplers import DDPSamplerWrapper, DistributedSamplerWrapper
 from ddpkit.streams import ShardedStream, StreamDataLoader
-from ddpkit.train_loop import TrainLoop
+from ddpkit.training import TrainLoop
 
 __version__ = "0.2.0"
 

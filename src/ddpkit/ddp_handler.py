@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import DistributedSampler, RandomSampler
 
-from ddpkit.callbacks import DistributedSamplerSetEpoch
+from ddpkit.callbacks import CallbacksHandler, DistributedSamplerSetEpoch
 from ddpkit.collectives import gather_all_tensors, mp_sync, mp_sync_dict
 from ddpkit.loaders import build_loader_sampler, distributed_sampler_of, stream_loader
 from ddpkit.process_group import ensure_dist_connection, get_world_size
 from ddpkit.samplers import DistributedSamplerWrapper
 from ddpkit.streams import is_stream
 
-__all__ = ["LOADER_ATTRIBUTES", "DDPHandler"]
+__all__ = ["LOADER_ATTRIBUTES", "DDPHandler", "HasCallbacks"]
 
 #: The train loop's loaders that ``add_distributed_samplers`` shards, and whether each is for evaluation.
 LOADER_ATTRIBUTES = (("train_loader", False), ("validation_loader", True), ("test_loader", True))
+
+
+class HasCallbacks(Protocol):
+    """A train loop as ``DDPHandler`` needs it: its callbacks; its loaders are read and replaced by name
+    (:data:`LOADER_ATTRIBUTES`, any may be missing or ``None``) and ``seed`` is read if present."""
+
+    @property
+    def callbacks_handler(self) -> CallbacksHandler: ...
 
 
 class DDPHandler:
@@ -30,7 +38,7 @@ class DDPHandler:
             ``callbacks_handler`` and optionally ``seed``.
     """
 
-    def __init__(self, train_loop_obj: Any) -> None:
+    def __init__(self, train_loop_obj: HasCallbacks) -> None:
         self.train_loop_obj = train_loop_obj
         #: The distributed sampler of each sharded loader, by attribute name.
         self.samplers: dict[str, DistributedSampler[Any]] = {}

@@ -85,7 +85,7 @@ class DDPPlugin:
 
     def init_ddp_connection(
         self,
-        trainer: Any,
+        trainer: object,
         cluster_environment: SupportsClusterEnvironment | SupportsMainAddress,
         global_rank: int,
         world_size: int,
@@ -153,7 +153,7 @@ class DDPPlugin:
             return optimizer.state_dict() if get_rank() == 0 else {}
         return optimizer.state_dict()
 
-    def on_after_setup_optimizers(self, trainer: Any) -> None:
+    def on_after_setup_optimizers(self, trainer: object) -> None:
         """Called after the optimizers are set up: a place for RPC configuration or state sharding. Does nothing."""
 
     def get_model_from_plugin(self, model: nn.Module) -> nn.Module:

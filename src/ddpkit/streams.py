@@ -22,6 +22,7 @@ Streams end unevenly (ranks get different numbers of batches); the choice of
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from collections import deque
@@ -127,7 +128,8 @@ class ShardedStream(IterableDataset[Any]):
         self.epoch = 0
         #: The items a resumed epoch skips (read from a checkpoint); used by the next iteration only.
         self.consumed: tuple[Any, ...] = ()
-        self._keyed = False
+        #: Whether iterating yields ``(key, item)`` pairs (see :meth:`keyed`).
+        self.yields_keys = False
 
     @property
     def world_size(self) -> int:
@@ -164,6 +166,23 @@ class ShardedStream(IterableDataset[Any]):
                 "or pass world_size and rank"
             )
         return 1, 0
+
+    @contextlib.contextmanager
+    def placed(self) -> Iterator[tuple[int, int]]:
+        """Within the block, the placement is the one taken on entering it (:meth:`placement`), also in the copies
+        of the stream that DataLoader workers started within the block get."""
+        self._resolved = self.placement()
+        try:
+            yield self._resolved
+        finally:
+            self._resolved = None
+
+    def keyed(self) -> ShardedStream:
+        """A copy that yields ``(key, item)``, ``key`` the item's ``(shard, offset, index)`` (as a
+        :class:`StreamDataLoader` reads it)."""
+        stream = copy.copy(self)
+        stream.yields_keys = True
+        return stream
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled to a DataLoader's workers: the main process's placement goes along (``_resolved``)."""
@@ -208,7 +227,7 @@ class ShardedStream(IterableDataset[Any]):
             )
         if skip:
             keyed = ((key, item) for key, item in keyed if not skip(key))
-        return keyed if self._keyed else (item for _, item in keyed)
+        return keyed if self.yields_keys else (item for _, item in keyed)
 
 
 @dataclass(frozen=True)
@@ -252,8 +271,7 @@ class StreamDataLoader(DataLoader[Any]):
     def __init__(self, dataset: Any, *args: Any, ends: StreamEnds = "even", **kwargs: Any) -> None:
         if ends not in _ENDS:
             raise ValueError(f"ends={ends!r} must be one of {', '.join(map(repr, _ENDS))}")
-        stream = copy.copy(dataset) if isinstance(dataset, ShardedStream) else ShardedStream(dataset)
-        stream._keyed = True
+        stream = (dataset if isinstance(dataset, ShardedStream) else ShardedStream(dataset)).keyed()
         kwargs["collate_fn"] = _KeyedCollate(kwargs.get("collate_fn"))
         self.ends = ends
         #: The items this rank has taken in the current epoch (by the consumers of :meth:`iter_tagged`).
@@ -295,14 +313,13 @@ class StreamDataLoader(DataLoader[Any]):
         self.progress = StreamProgress(stream.split_for(self.num_workers), stream.world_size * max(self.num_workers, 1))
         self.progress.previous = list(stream.consumed)
         # Taken here, in the main process, before the workers start: they get it with their copy of the stream.
-        stream._resolved = stream.placement()
-        state = (stream.epoch, stream.consumed, stream._resolved)
-        if self.persistent_workers and state != self._iterator_state:
-            self._iterator = None  # persistent workers hold the stream as it was when they started
-        self._iterator_state = state
-        source = super().__iter__()
+        with stream.placed() as placement:
+            state = (stream.epoch, stream.consumed, placement)
+            if self.persistent_workers and state != self._iterator_state:
+                self._iterator = None  # persistent workers hold the stream as it was when they started
+            self._iterator_state = state
+            source = super().__iter__()
         stream.consumed = ()  # the workers have their copy (or the fetcher its iterator): only this epoch skips
-        stream._resolved = None
         agree = ends != "join" and get_world_size() > 1
         device = collective_device() if agree else None
         padded, fresh = 0, True

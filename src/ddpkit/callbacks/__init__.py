@@ -1,6 +1,6 @@
 """Callbacks of ``TrainLoop``: the protocol, aitoolbox's sampler epochs, loggers, early stopping, best weights."""
 
-from ddpkit.callbacks.base import Callback, CallbacksHandler, DistributedSamplerSetEpoch, Event
+from ddpkit.callbacks.base import Callback, CallbacksHandler, DistributedSamplerSetEpoch, Event, TrainLoopView
 from ddpkit.callbacks.loggers import CSVLogger, TensorBoardLogger
 from ddpkit.callbacks.monitors import EarlyStopping, ModelCheckpoint
 
@@ -13,4 +13,5 @@ __all__ = [
     "Event",
     "ModelCheckpoint",
     "TensorBoardLogger",
+    "TrainLoopView",
 ]

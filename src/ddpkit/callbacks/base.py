@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
+from torch import nn
 from torch.utils.data import DistributedSampler
 
 from ddpkit._compat import override
 from ddpkit.samplers import epoch_seed
 
-__all__ = ["Callback", "CallbacksHandler", "DistributedSamplerSetEpoch", "Event"]
+__all__ = ["Callback", "CallbacksHandler", "DistributedSamplerSetEpoch", "Event", "TrainLoopView"]
 
 Event = Literal["on_train_begin", "on_epoch_begin", "on_batch_end", "on_epoch_end", "on_train_end"]
+
+
+class TrainLoopView(Protocol):
+    """What a callback is given: the train loop (:class:`~ddpkit.TrainLoop` has all of this, and more)."""
+
+    #: The model being trained (not the DDP wrapper).
+    model: nn.Module
+    #: The epoch in progress (0-based).
+    epoch: int
+    #: Optimizer steps taken in all.
+    global_step: int
+    #: Per epoch: ``train_loss`` and ``validation_<metric>``.
+    history: dict[str, list[float]]
+    #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``).
+    step_loss: torch.Tensor
+    #: Set it (on every rank) to end training after this epoch.
+    should_stop: bool
 
 
 class Callback:
@@ -23,19 +41,19 @@ class Callback:
     use :func:`~ddpkit.rank_zero_only` for work that one rank should do.
     """
 
-    def on_train_begin(self, train_loop: Any) -> None:
+    def on_train_begin(self, train_loop: TrainLoopView) -> None:
         """Before the first epoch (after a checkpoint, if any, was loaded)."""
 
-    def on_epoch_begin(self, train_loop: Any) -> None:
+    def on_epoch_begin(self, train_loop: TrainLoopView) -> None:
         """At the start of each epoch, before the first batch (``train_loop.epoch`` is set)."""
 
-    def on_batch_end(self, train_loop: Any) -> None:
+    def on_batch_end(self, train_loop: TrainLoopView) -> None:
         """After each optimizer step (``train_loop.global_step`` counts them)."""
 
-    def on_epoch_end(self, train_loop: Any) -> None:
+    def on_epoch_end(self, train_loop: TrainLoopView) -> None:
         """After each epoch's training and validation (``train_loop.history`` holds its numbers)."""
 
-    def on_train_end(self, train_loop: Any) -> None:
+    def on_train_end(self, train_loop: TrainLoopView) -> None:
         """After the last epoch."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -50,7 +68,7 @@ class Callback:
 class CallbacksHandler:
     """The callbacks of one train loop (aitoolbox's ``callbacks_handler``)."""
 
-    def __init__(self, train_loop: Any) -> None:
+    def __init__(self, train_loop: TrainLoopView) -> None:
         self.train_loop = train_loop
         self.callbacks: list[Callback] = []
 
@@ -125,7 +143,7 @@ class DistributedSamplerSetEpoch(Callback):
         self.seed = seed
 
     @override
-    def on_epoch_begin(self, train_loop: Any) -> None:
+    def on_epoch_begin(self, train_loop: TrainLoopView) -> None:
         for sampler in self.samplers:
             sampler.set_epoch(train_loop.epoch)
         for generator in self.generators:

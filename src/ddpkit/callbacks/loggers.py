@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit._compat import override
-from ddpkit.callbacks.base import Callback
+from ddpkit.callbacks.base import Callback, TrainLoopView
 from ddpkit.collectives import sync_ddp
 from ddpkit.process_group import get_rank
 
@@ -33,12 +33,12 @@ class _MetricsLogger(Callback):
         self.log_every_n_steps = log_every_n_steps
 
     @override
-    def on_train_begin(self, train_loop: Any) -> None:
+    def on_train_begin(self, train_loop: TrainLoopView) -> None:
         if get_rank() == 0:
             self._open(train_loop.global_step)
 
     @override
-    def on_batch_end(self, train_loop: Any) -> None:
+    def on_batch_end(self, train_loop: TrainLoopView) -> None:
         every = self.log_every_n_steps
         if every and train_loop.global_step % every == 0:
             total, count = sync_ddp(train_loop.step_loss.clone()).tolist()  # every rank: one small all-reduce
@@ -46,13 +46,13 @@ class _MetricsLogger(Callback):
                 self._write({"train_loss_step": total / count}, train_loop.epoch + 1, train_loop.global_step)
 
     @override
-    def on_epoch_end(self, train_loop: Any) -> None:
+    def on_epoch_end(self, train_loop: TrainLoopView) -> None:
         if get_rank() == 0:
             values = {name: values[-1] for name, values in train_loop.history.items() if values}
             self._write(values, train_loop.epoch + 1, train_loop.global_step)
 
     @override
-    def on_train_end(self, train_loop: Any) -> None:
+    def on_train_end(self, train_loop: TrainLoopView) -> None:
         if get_rank() == 0:
             self._close()
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 
 from ddpkit._compat import override
-from ddpkit.callbacks.base import Callback
+from ddpkit.callbacks.base import Callback, TrainLoopView
 from ddpkit.checkpoint import save_checkpoint
 from ddpkit.collectives import sync_ddp
 from ddpkit.process_group import get_rank
@@ -39,7 +39,7 @@ class _Monitor(Callback):
         self.best_score = math.inf if mode == "min" else -math.inf
         self.best_epoch = 0  # 1-based; 0: none yet
 
-    def _improved(self, train_loop: Any) -> bool:
+    def _improved(self, train_loop: TrainLoopView) -> bool:
         """Read the metric of the epoch that just ended; record it if it is the best so far."""
         values = train_loop.history.get(self.monitor)
         if not values:
@@ -97,7 +97,7 @@ class EarlyStopping(_Monitor):
         self.stopped_epoch = 0
 
     @override
-    def on_train_begin(self, train_loop: Any) -> None:
+    def on_train_begin(self, train_loop: TrainLoopView) -> None:
         if self.stopped_epoch:  # a resumed run that had stopped: it stays stopped
             train_loop.should_stop = True
             if get_rank() == 0:
@@ -107,7 +107,7 @@ class EarlyStopping(_Monitor):
                 )
 
     @override
-    def on_epoch_end(self, train_loop: Any) -> None:
+    def on_epoch_end(self, train_loop: TrainLoopView) -> None:
         self.wait = 0 if self._improved(train_loop) else self.wait + 1
         mine = torch.tensor(float(self.wait >= self.patience) if get_rank() == 0 else 0.0, dtype=torch.float64)
         if float(sync_ddp(mine)) > 0:  # rank 0's decision, on every rank
@@ -163,7 +163,7 @@ class ModelCheckpoint(_Monitor):
         self.best_model_path = Path(dirpath) / filename
 
     @override
-    def on_epoch_end(self, train_loop: Any) -> None:
+    def on_epoch_end(self, train_loop: TrainLoopView) -> None:
         if self._improved(train_loop) and get_rank() == 0:
             weights = {name: tensor.detach().cpu() for name, tensor in train_loop.model.state_dict().items()}
             self.best_model_path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from ddpkit.process_group import (
     init_dist_connection,
     seed_everything,
 )
-from ddpkit.train_loop import TrainLoop
+from ddpkit.training import TrainLoop
 
 __all__ = [
     "DemoConfig",

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ddpkit.callbacks import Callback
+from ddpkit.callbacks import Callback, TrainLoopView
 from ddpkit.collectives import all_gather_object
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.examples.retrieval import BalancedBatchSampler
 from ddpkit.process_group import get_rank, get_world_size, seed_everything
-from ddpkit.train_loop import TrainLoop
+from ddpkit.training import TrainLoop
 
 __all__ = [
     "IndexedDataset",
@@ -105,14 +105,15 @@ class RecordSteps(Callback):
         self.out = out
         self.attempt: tuple[str, float] = ("", 0.0)
 
-    def on_train_begin(self, train_loop: Any) -> None:
+    def on_train_begin(self, train_loop: TrainLoopView) -> None:
         self.attempt = all_gather_object((uuid.uuid4().hex, time.time()))[0]  # rank 0's, on every rank
 
-    def on_train_end(self, train_loop: Any) -> None:
+    def on_train_end(self, train_loop: TrainLoopView) -> None:
         if self.out is not None and get_rank() == 0:
             torch.save(train_loop.model.state_dict(), self.out)
 
-    def on_batch_end(self, train_loop: Any) -> None:
+    def on_batch_end(self, train_loop: TrainLoopView) -> None:
+        assert isinstance(train_loop, RecordingTrainLoop), "RecordSteps records a RecordingTrainLoop's samples"
         if train_loop.record is None:
             return
         line = {

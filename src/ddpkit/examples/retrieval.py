@@ -25,7 +25,7 @@ from ddpkit.examples.digits import digits_datasets
 from ddpkit.launch import scheduler_environment
 from ddpkit.metric_learning import precision_at_1, triplet_loss
 from ddpkit.process_group import get_world_size, seed_everything
-from ddpkit.train_loop import TrainLoop
+from ddpkit.training import TrainLoop
 
 __all__ = [
     "BalancedBatchSampler",

@@ -23,7 +23,7 @@ from ddpkit.errors import HangError
 from ddpkit.examples.demo import build_model
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.launch import launch
-from ddpkit.train_loop import TrainLoop
+from ddpkit.training import TrainLoop
 
 __all__ = ["StuckOnRankOne", "main"]
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpkit._stacks import StackDumpOnSignal
 from ddpkit.errors import DDPKitError
 from ddpkit.process_group import get_rank, is_distributed
 
+if TYPE_CHECKING:
+    from ddpkit.training.run import TrainingRun
+
 __all__ = ["dump_worker_stacks_in_hang_reports", "epoch_line", "skipped_model_error", "straggler_text"]
 
 
-def skipped_model_error(loop: Any, index: int) -> DDPKitError:
+def skipped_model_error(loop: TrainingRun, index: int) -> DDPKitError:
     """The error of a rank whose ``training_step`` did not run the DDP model (it would skip the all-reduce the
     other ranks wait in), naming the step and where ``training_step`` is."""
     where = ""
@@ -22,8 +25,8 @@ def skipped_model_error(loop: Any, index: int) -> DDPKitError:
         method = type(loop).training_step
         where = f" ({inspect.getsourcefile(method)}:{inspect.getsourcelines(method)[1]})"
     return DDPKitError(
-        f"rank {get_rank()}: training_step{where} did not call the model in step {loop.global_step + 1} (epoch "
-        f"{loop.epoch + 1}, batch {index}), so this rank would skip DDP's gradient all-reduce that the other "
+        f"rank {get_rank()}: training_step{where} did not call the model in step {loop.state.global_step + 1} (epoch "
+        f"{loop.state.epoch + 1}, batch {index}), so this rank would skip DDP's gradient all-reduce that the other "
         "ranks wait in: the ranks would go out of step (a hang, or gradients of different steps averaged). "
         "Call the model on every rank in every step; to drop a bad batch, multiply its loss by 0 instead"
     )
@@ -44,21 +47,23 @@ def epoch_line(epoch: int, num_epochs: int, loss: float, metrics: dict[str, floa
     return "  ".join(parts)
 
 
-def resume_line(loop: Any, num_epochs: int) -> str:
+def resume_line(loop: TrainingRun, num_epochs: int) -> str:
     """What a ``TrainLoop`` that found a checkpoint does with it: resume, or nothing when it is finished."""
-    if loop.epoch >= num_epochs:
+    epoch = loop.state.epoch
+    if epoch >= num_epochs:
         return (
-            f"already trained {loop.epoch} of {num_epochs} epochs in {loop.checkpoint_dir}; nothing to do: delete it, "
+            f"already trained {epoch} of {num_epochs} epochs in {loop.checkpoint_dir}; nothing to do: delete it, "
             "pass a new checkpoint_dir, or ask for more epochs"
         )
-    where = f", {loop._resume_position} entries into it" if loop._resume_position else ""
+    position = loop.state.resume_position
+    where = f", {position} entries into it" if position else ""
     return (
-        f"resuming from {loop.checkpoint_dir}: epoch {loop.epoch + 1}/{num_epochs}{where}, "
-        f"after {loop.global_step} optimizer steps"
+        f"resuming from {loop.checkpoint_dir}: epoch {epoch + 1}/{num_epochs}{where}, "
+        f"after {loop.state.global_step} optimizer steps"
     )
 
 
-def dump_worker_stacks_in_hang_reports(loop: Any, original_loaders: dict[str, Any]) -> None:
+def dump_worker_stacks_in_hang_reports(loop: TrainingRun, original_loaders: dict[str, Any]) -> None:
     """The DataLoader workers of the loaders ddpkit rebuilt show their stacks in a hang report (also when
     they are spawned, which they are in a worker of ``launch``)."""
     if not is_distributed():

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,34 @@ from ddpkit.process_group import get_world_size, is_distributed
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout, epoch_seed
 from ddpkit.streams import StreamDataLoader, StreamProgress
 
-__all__ = ["Accumulation", "GlobalBatch", "GlobalSteps", "TrainingEpochs", "average_gradients"]
+__all__ = ["Accumulation", "GlobalBatch", "GlobalSteps", "StepPlan", "TrainingEpochs", "average_gradients"]
+
+
+class StepPlan(Protocol):
+    """How one rank's batches of one epoch make optimizer steps (:class:`Accumulation` or :class:`GlobalSteps`).
+
+    ``index`` counts this rank's batches of the epoch from where it (re)started.
+    """
+
+    @property
+    def final_step(self) -> bool:
+        """Whether a step is left after this rank's last batch: one that not every rank had a batch in, whose
+        gradients :func:`average_gradients` synchronises before it is taken."""
+
+    def ends_step(self, index: int) -> bool:
+        """Whether batch ``index`` ends an optimizer step through DDP's all-reduce."""
+
+    def divisor(self, index: int) -> float:
+        """What batch ``index``'s loss is divided by."""
+
+    def position_after(self, index: int) -> int:
+        """Entries of the epoch's global order done once the step of batch ``index`` is done."""
+
+    def batch_seed(self, index: int) -> int | None:
+        """The seed torch's RNG gets before batch ``index``, or ``None`` to run on."""
+
+    def end_position(self) -> int:
+        """Entries of the epoch's global order done once the final step is done."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +109,10 @@ class Accumulation:
     def batch_seed(self, index: int) -> int | None:
         """``None``: the random state runs on from the previous batch."""
         return None
+
+    def end_position(self) -> int:
+        """Never asked: there is no final step."""
+        raise AssertionError("Accumulation has no final step")
 
 
 @dataclass(frozen=True)
@@ -179,6 +210,10 @@ class GlobalSteps:
         first = self.start + self.rank + self.layout.world_size * index * self.entries_per_batch
         return epoch_seed(self.seed, self.epoch, first)
 
+    def end_position(self) -> int:
+        """The epoch's entry count: the final step ends it."""
+        return self.end
+
     def _items_of_step(self, step: int) -> int:
         if step not in self._step_items:
             low = self.start + step * self.entries_per_step
@@ -274,15 +309,15 @@ class TrainingEpochs:
             )
         return self.sampler
 
-    def begin(self, position: int, accumulation: int) -> Accumulation | None:
-        """Start an epoch at entry ``position`` (0: its beginning); its steps, or ``None`` for a global batch
-        (:meth:`global_steps`, once the loader has started the epoch)."""
+    def begin(self, position: int, accumulation: int, seed: int, epoch: int) -> StepPlan:
+        """Start epoch ``epoch`` at entry ``position`` (0: its beginning); its steps (a global batch's hash
+        ``seed``, the epoch and each batch's position into the batch seeds)."""
         if self.stream is not None:  # a resumed epoch's items taken are skipped by the stream itself
             return Accumulation(accumulation, None, position, self.entries_per_round)
         if position:
             self.wrapper("resuming part-way through an epoch").set_position(position)
         if self.global_batch is not None:
-            return None
+            return _DealtSteps(self, seed, epoch)
         count = self.sampler.entry_count if isinstance(self.sampler, DistributedSamplerWrapper) else None
         return Accumulation(accumulation, len(self.loader), position, self.entries_per_round, count)
 
@@ -327,3 +362,37 @@ class TrainingEpochs:
         assert self.global_batch is not None
         assert wrapper.last_layout is not None, "begin() first, then iterate the loader"
         return self.global_batch.epoch(wrapper.last_layout, wrapper.rank, self.entries_per_batch, seed, epoch)
+
+
+class _DealtSteps:
+    """A global batch's :class:`GlobalSteps`, made when first asked: the sampler deals the epoch out (and
+    knows its layout) only once the loader has started iterating."""
+
+    def __init__(self, epochs: TrainingEpochs, seed: int, epoch: int) -> None:
+        self._epochs, self._seed, self._epoch = epochs, seed, epoch
+        self._steps: GlobalSteps | None = None
+
+    @property
+    def steps(self) -> GlobalSteps:
+        if self._steps is None:
+            self._steps = self._epochs.global_steps(self._seed, self._epoch)
+        return self._steps
+
+    @property
+    def final_step(self) -> bool:
+        return self.steps.final_step
+
+    def ends_step(self, index: int) -> bool:
+        return self.steps.ends_step(index)
+
+    def divisor(self, index: int) -> float:
+        return self.steps.divisor(index)
+
+    def position_after(self, index: int) -> int:
+        return self.steps.position_after(index)
+
+    def batch_seed(self, index: int) -> int | None:
+        return self.steps.batch_seed(index)
+
+    def end_position(self) -> int:
+        return self.steps.end_position()

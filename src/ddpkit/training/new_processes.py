@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,11 +13,14 @@ from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.launch import launch, scheduler_environment, start_forkserver
 from ddpkit.process_group import get_rank
 
+if TYPE_CHECKING:
+    from ddpkit.training.loop import TrainLoop
+
 __all__ = ["fit_on_new_processes"]
 
 
 def fit_on_new_processes(
-    loop: Any,
+    loop: TrainLoop,
     num_epochs: int,
     num_processes: int,
     grad_accumulation: int,
@@ -47,7 +51,7 @@ def fit_on_new_processes(
 
 
 def _fit_worker(
-    loop: Any,
+    loop: TrainLoop,
     num_epochs: int,
     grad_accumulation: int,
     callbacks: list[Callback] | None,
@@ -55,19 +59,11 @@ def _fit_worker(
     random_state: dict[str, Any],
 ) -> tuple[dict[str, list[float]], dict[str, torch.Tensor] | None]:
     set_rng_state(random_state)  # as if fit ran in the caller: the same run every time
-    _reset_distributed(loop)
+    if every_rank and loop.ddp_handler is not None:
+        # Set up by an earlier fit in this process: start anew, as a spawned worker does with the pickled
+        # loop, which comes without its sharding and DDP wrapper (TrainLoop.__getstate__).
+        loop = pickle.loads(pickle.dumps(loop))
     history = loop.fit(num_epochs, grad_accumulation, callbacks)
     send = every_rank or get_rank() == 0  # spawned workers: only rank 0's copy travels back
     weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if send else None
     return history, weights
-
-
-def _reset_distributed(loop: Any) -> None:
-    """Forget the sharding and the DDP wrapper the pickled loop may carry (the worker sets up anew)."""
-    for name, loader in loop._original_loaders.items():
-        setattr(loop, name, loader)
-    if loop.ddp_handler is not None and loop.ddp_handler.callback is not None:
-        loop.callbacks_handler.callbacks.remove(loop.ddp_handler.callback)
-    loop.ddp_handler = None
-    loop.ddp_model = None
-    loop._epochs = None

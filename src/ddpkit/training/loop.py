@@ -1,0 +1,315 @@
+"""``TrainLoop``: single-process training that becomes DDP by changing one call (after aitoolbox's ``TrainLoop``).
+
+``fit`` trains in this process (as DDP when a process group exists);
+``fit_distributed`` launches ``num_processes`` workers that each run ``fit``.
+The same code path serves both: loaders are sharded by :class:`~ddpkit.DDPHandler`
+(over one rank when alone), so the data order is the same either way, and W
+ranks with batch B step through exactly the batches of one process with batch
+W x B. Validation metrics are computed on every sample exactly once
+(:func:`~ddpkit.gather_in_order`), so they equal the single-process numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from ddpkit.batches import move_data_to_device
+from ddpkit.callbacks import Callback, CallbacksHandler
+from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
+from ddpkit.ddp_plugin import DDPPlugin
+from ddpkit.evaluation import predict_in_order
+from ddpkit.launch import StartMethod
+from ddpkit.plotting import plot_history
+from ddpkit.process_group import ensure_dist_connection, get_rank, rank_device
+from ddpkit.training._messages import epoch_line, resume_line
+from ddpkit.training.new_processes import fit_on_new_processes
+from ddpkit.training.preemption import PreemptionHandler
+from ddpkit.training.run import TrainingRun
+from ddpkit.training.state import RunField, RunState
+from ddpkit.training.steps import GlobalBatch
+
+__all__ = ["TrainLoop"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainLoop(TrainingRun):
+    """Train, validate and test a model, in one process or as DDP (the ``TrainLoop`` of aitoolbox's ``DDPHandler``).
+
+    Args:
+        model: the ``nn.Module``.
+        train_loader: training data; its sampler (or batch sampler) is sharded across ranks.
+        validation_loader: evaluated after each epoch (optional).
+        test_loader: for :meth:`evaluate` (optional).
+        optimizer: default ``torch.optim.Adam(model.parameters())`` (learning rate 1e-3).
+        criterion: the loss; default ``nn.CrossEntropyLoss()``.
+        device: default ``cuda:<local rank>`` when CUDA is available, else CPU.
+        plugin: the :class:`~ddpkit.DDPPlugin` that wraps the model (default ``DDPPlugin()``).
+        checkpoint_dir: where to write checkpoints (``last.pt``, atomically) and
+            resume from: a run started with a directory that holds one continues at
+            the exact batch, with model, optimizer, sampler epochs and every rank's
+            RNG state restored.
+        checkpoint_every: also checkpoint every this many optimizer steps (besides
+            each epoch's end).
+        seed: seeds the data order: each epoch's from ``seed`` and the epoch
+            (the position shuffle as ``DistributedSampler(seed=seed)``).
+        progress: show a progress bar on rank 0.
+        global_batch_size: items per optimizer step over all ranks, kept on any
+            number of ranks (default ``None``: ``W`` x batch x ``grad_accumulation``).
+            Each rank accumulates ``global_batch_size / (W * batch)`` batches (a
+            world size that cannot is refused, naming those that can), every item
+            is used once per epoch, and torch's RNG is reseeded before each batch
+            from ``seed``, the epoch and the batch's position. A resized run
+            (``fit_distributed(nnodes="MIN:MAX")``) then ends where an unresized
+            one does, up to rounding, if ``training_step`` returns a mean over
+            the batch's items and draws no random numbers (as dropout does).
+        requeue: in a SLURM task with a ``checkpoint_dir``, SIGUSR1 (``#SBATCH
+            --signal=USR1@90``) or SIGTERM (preemption, ``scancel``) makes every
+            rank save a checkpoint at the next optimizer step and stop with
+            :class:`~ddpkit.training.Preempted`; with ``requeue=True`` (default
+            ``False``) rank 0 first runs ``scontrol requeue $SLURM_JOB_ID``, and
+            the requeued job resumes at the exact batch.
+
+    Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``,
+    ``validation_loader``, ``test_loader``, ``device``, ``callbacks_handler``,
+    ``ddp_handler`` (a :class:`~ddpkit.DDPHandler` once :meth:`fit` has set up).
+
+    Override :meth:`training_step`, :meth:`predict_step`, :meth:`compute_metrics`
+    or :meth:`batch_to_device` for batches that are not ``(inputs, targets)``.
+    """
+
+    #: The epoch being trained (0-based).
+    epoch = RunField[int]()
+    #: Optimizer steps taken in all.
+    global_step = RunField[int]()
+    #: Per-epoch numbers: ``train_loss`` and ``validation_<metric>``.
+    history = RunField[dict[str, list[float]]]()
+    #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``).
+    step_loss = RunField[torch.Tensor]()
+    #: Set by a callback (e.g. :class:`~ddpkit.EarlyStopping`, on every rank) to end ``fit`` after this epoch.
+    should_stop = RunField[bool]()
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_loader: DataLoader[Any],
+        validation_loader: DataLoader[Any] | None = None,
+        test_loader: DataLoader[Any] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: nn.Module | None = None,
+        *,
+        device: torch.device | str | None = None,
+        plugin: DDPPlugin | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
+        seed: int = 0,
+        progress: bool = True,
+        global_batch_size: int | None = None,
+        requeue: bool = False,
+    ) -> None:
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
+        super().__init__()
+        self.global_batch = GlobalBatch(global_batch_size) if global_batch_size is not None else None
+        self.model = model
+        self.train_loader = train_loader
+        self.validation_loader = validation_loader
+        self.test_loader = test_loader
+        self.optimizer = optimizer if optimizer is not None else torch.optim.Adam(model.parameters())
+        self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
+        self.device = torch.device(device) if device is not None else rank_device()
+        self.plugin = plugin if plugin is not None else DDPPlugin()
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.seed = seed
+        self.progress = progress
+        self.preemption = PreemptionHandler(requeue)
+        self.callbacks_handler = CallbacksHandler(self)
+        #: Everything that changes while it trains (``epoch``, ``global_step``, ... are its fields).
+        self.state = RunState()
+        #: A :class:`~ddpkit.DDPHandler` once :meth:`fit` has set up.
+        self.ddp_handler: DDPHandler | None = None
+        #: The DDP-wrapped model once :meth:`fit` has set up (the model itself in one process).
+        self.ddp_model: nn.Module | None = None
+        #: Each rank's mean time per batch in the last epoch (ms) for loading and forward, before the step's
+        #: all-reduce (where a fast rank waits for a slow one). Empty in one process.
+        self.step_times: list[float] = []
+        self._original_loaders = {name: getattr(self, name) for name, _ in LOADER_ATTRIBUTES}
+
+    # --- the steps to override --------------------------------------------------------------------
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """Move a batch to :attr:`device` (nested tensors; see :func:`~ddpkit.move_data_to_device`)."""
+        return move_data_to_device(batch, self.device)
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss of one batch (a scalar tensor); ``model`` is the DDP-wrapped model.
+
+        Default: ``criterion(model(inputs), targets)`` for a batch ``(inputs, targets)``.
+        """
+        inputs, targets = batch
+        loss: torch.Tensor = self.criterion(model(inputs), targets)
+        return loss
+
+    def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(predictions, targets)`` of one batch, one row per sample. Default: ``(model(inputs), targets)``."""
+        inputs, targets = batch
+        return model(inputs), targets
+
+    def compute_metrics(self, predictions: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        """Metrics from the predictions and targets of a whole split, in order (the same on every rank).
+
+        Default: ``loss`` (the criterion), and ``accuracy`` for class scores ``(N, C)``
+        with integer targets ``(N,)``.
+        """
+        metrics = {"loss": float(self.criterion(predictions, targets))}
+        if predictions.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
+            metrics["accuracy"] = float((predictions.argmax(dim=1) == targets).double().mean())
+        return metrics
+
+    # --- training ----------------------------------------------------------------------------------
+
+    def fit(
+        self, num_epochs: int, grad_accumulation: int = 1, callbacks: list[Callback] | None = None
+    ) -> dict[str, list[float]]:
+        """Train for ``num_epochs`` epochs (in all, counting those a checkpoint already holds).
+
+        In a process that a launcher started as one of several ranks (torchrun,
+        ``ddpkit run``, ``srun``, ``mpirun``) it first creates the default
+        process group if none exists (:func:`~ddpkit.ensure_dist_connection`);
+        a group that exists (inside :meth:`fit_distributed`, or made by
+        ``init_process_group``) is used as it is. With a group every rank must
+        call it: the model is wrapped in DDP and the loaders are sharded. A
+        process alone trains in this process.
+
+        Args:
+            num_epochs: the epoch to stop after.
+            grad_accumulation: batches per optimizer step; the loss of each is
+                divided by it, and the non-final ones skip DDP's all-reduce.
+            callbacks: :class:`~ddpkit.Callback` instances to add.
+
+        Returns:
+            :attr:`history`: per epoch, ``train_loss`` (mean over all ranks' samples)
+            and the validation metrics.
+
+        Raises:
+            ValueError: ``num_epochs < 1`` or ``grad_accumulation < 1``; or
+                ``grad_accumulation`` besides ``global_batch_size`` (which sets
+                it), or a world size that cannot reach ``global_batch_size``.
+        """
+        if num_epochs < 1 or grad_accumulation < 1:
+            raise ValueError(f"num_epochs={num_epochs} and grad_accumulation={grad_accumulation} must be >= 1")
+        if self.global_batch is not None:
+            self.global_batch.check_no_accumulation(grad_accumulation)
+        ensure_dist_connection()  # under torchrun, srun, mpirun...: one job, not N copies
+        self.callbacks_handler.register_callbacks(callbacks)
+        model = self._setup()
+        if self._resume() and get_rank() == 0:
+            tqdm.write(line := resume_line(self, num_epochs))
+            log.info(line)
+        self.callbacks_handler.execute("on_train_begin")
+        with self.preemption.watching(self.checkpoint_dir is not None):
+            while self.epoch < num_epochs and not self.should_stop:
+                self.callbacks_handler.execute("on_epoch_begin")
+                loss = self._train_epoch(model, grad_accumulation, num_epochs)
+                self.history["train_loss"].append(loss)
+                metrics = self.evaluate(self.validation_loader) if self.validation_loader is not None else {}
+                for name, value in metrics.items():
+                    self.history[f"validation_{name}"].append(value)
+                if get_rank() == 0:
+                    tqdm.write(line := epoch_line(self.epoch, num_epochs, loss, metrics, self.step_times))
+                    log.info(line)
+                self.callbacks_handler.execute("on_epoch_end")
+                self.epoch += 1
+                if self.checkpoint_dir is not None:
+                    self._save_checkpoint(position=0)
+        self.callbacks_handler.execute("on_train_end")
+        return dict(self.history)
+
+    def fit_distributed(
+        self,
+        num_epochs: int,
+        num_processes: int = 2,
+        grad_accumulation: int = 1,
+        callbacks: list[Callback] | None = None,
+        *,
+        backend: str | None = None,
+        max_restarts: int = 0,
+        timeout: float | None = None,
+        nnodes: int | str = 1,
+        rdzv_endpoint: str | None = None,
+        rdzv_conf: dict[str, Any] | str | None = None,
+        start_method: StartMethod = "spawn",
+    ) -> dict[str, list[float]]:
+        """Run :meth:`fit` on ``num_processes`` new processes (through :func:`~ddpkit.launch`).
+
+        The train loop (model, loaders, optimizer, callbacks) is pickled to every
+        worker, and every worker starts from this process's random state (torch,
+        numpy, Python): the run is reproducible. Afterwards this process's
+        :attr:`model` holds the trained weights and :attr:`history` rank 0's
+        history. With ``max_restarts`` and a ``checkpoint_dir``, restarted workers
+        resume from the last checkpoint (bit-identical to an uninterrupted run).
+        Call it under ``if __name__ == "__main__":``. Under a scheduler that
+        already started the job's processes (``srun``, ``mpirun``, torchrun)
+        nothing is spawned: this process trains as one of its ranks and
+        ``num_processes`` is ignored.
+
+        Args:
+            num_epochs, grad_accumulation, callbacks: as for :meth:`fit`.
+            num_processes: worker processes (default 2).
+            backend: the process-group backend (default: NCCL on GPUs, else gloo).
+            max_restarts: restarts of all workers after a failure or a hang.
+            timeout: seconds a rank may wait in one collective before the job
+                counts as hung (default 300; ``0``: never), as in :func:`~ddpkit.launch`.
+            nnodes, rdzv_endpoint, rdzv_conf: as for :func:`~ddpkit.launch`: call
+                it on every node; ``nnodes="MIN:MAX"`` is an elastic job (use a
+                ``checkpoint_dir``, ``max_restarts`` for nodes lost, and
+                ``global_batch_size`` to keep the steps as the world size changes).
+            start_method: as for :func:`~ddpkit.launch` (default ``"spawn"``);
+                ``"forkserver"`` also imports ``torch._dynamo`` (which DDP's
+                constructor imports) once in the server: workers reach their
+                first step about 2 s sooner here.
+
+        Raises:
+            HangError: the job hung (after ``max_restarts`` restarts).
+            WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
+        """
+        return fit_on_new_processes(
+            self, num_epochs, num_processes, grad_accumulation, callbacks, backend=backend, max_restarts=max_restarts,
+            timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,
+        )  # fmt: skip
+
+    def plot_history(self, path: str | Path) -> Path:
+        """Write a PNG of every curve of :attr:`history` (losses in one panel); its path.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'ddpkit[plot]'``).
+            ValueError: nothing trained yet.
+        """
+        return plot_history(self.history, path)
+
+    def evaluate(self, loader: DataLoader[Any] | None = None) -> dict[str, float]:
+        """Metrics of ``loader`` (default the validation loader), computed on every sample exactly once.
+
+        Each rank predicts its shard; :func:`~ddpkit.gather_in_order` (for a stream
+        :func:`~ddpkit.gather_stream_in_order`) brings the results back in order, without
+        duplicates, and :meth:`compute_metrics` sees the whole split: the result equals a
+        single-process evaluation and is the same on every rank (which must all call it).
+
+        Raises:
+            ValueError: no loader given and no validation loader.
+        """
+        loader = loader if loader is not None else self.validation_loader
+        if loader is None:
+            raise ValueError("evaluate() needs a loader: pass one or give the TrainLoop a validation_loader")
+        ensure_dist_connection()
+        self.model.to(self.device)
+        predictions, targets = predict_in_order(self.model, loader, self.predict_step, self.batch_to_device)
+        return self.compute_metrics(predictions, targets)

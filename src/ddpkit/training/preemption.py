@@ -1,0 +1,115 @@
+"""Preemption and walltime on SLURM: checkpoint at the next step when the job is told to stop, then requeue.
+
+SLURM warns a job before it ends it: ``#SBATCH --signal=USR1@90`` sends
+SIGUSR1 to every task 90 s before the walltime, ``scancel --signal=USR1 JOB``
+does so at once, and preemption or ``scancel`` send SIGTERM (then SIGKILL after
+``KillWait``). In a SLURM task, a ``TrainLoop`` with a ``checkpoint_dir`` catches
+both while it trains: at the next optimizer step every rank learns that one of
+them was signalled (one small all-reduce per step), the state is saved, and the
+ranks stop with :class:`Preempted`. With ``requeue=True`` rank 0 first runs
+``scontrol requeue $SLURM_JOB_ID``: SLURM starts the job script again, and the
+``TrainLoop`` resumes at the exact batch. Lightning's SLURM auto-requeue does
+the same on SIGUSR1 only and saves a checkpoint of its own kind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import torch
+
+from ddpkit.collectives import sync_ddp
+from ddpkit.environments import detect_environment
+from ddpkit.process_group import get_rank
+
+__all__ = ["Preempted", "PreemptionHandler"]
+
+#: The signals SLURM sends before it ends a job: the requested warning (``--signal``) and the stop itself.
+PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class Preempted(SystemExit):
+    """A ``TrainLoop`` stopped because SLURM signalled the job; its checkpoint holds the state.
+
+    A ``SystemExit`` (status 1, no traceback): code after ``fit`` must not run
+    as if training had finished. Attributes: ``signal_name`` (``"SIGUSR1"``,
+    ``"SIGTERM"``), ``step`` (optimizer steps taken) and ``requeued``.
+    """
+
+    def __init__(self, signal_name: str, step: int, requeued: bool) -> None:
+        super().__init__(1)
+        self.signal_name, self.step, self.requeued = signal_name, step, requeued
+
+
+class PreemptionHandler:
+    """Catches SLURM's stop signals while a ``TrainLoop`` trains (see the module docstring).
+
+    Args:
+        requeue: run ``scontrol requeue $SLURM_JOB_ID`` (rank 0) before stopping.
+    """
+
+    def __init__(self, requeue: bool = False) -> None:
+        self.requeue = requeue
+        self.received = 0  # the signal number this process received, 0: none
+        self.active = False
+
+    def __getstate__(self) -> dict[str, Any]:  # a TrainLoop travels to fit_distributed's workers
+        return {"requeue": self.requeue, "received": 0, "active": False}
+
+    @contextmanager
+    def watching(self, checkpointing: bool) -> Iterator[None]:
+        """Catch the signals meanwhile, in a SLURM task's main thread with checkpoints; else do nothing."""
+        env = detect_environment()
+        if not checkpointing or env.name != "slurm" or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        saved = {sig: signal.signal(sig, self._receive) for sig in PREEMPTION_SIGNALS}
+        self.received, self.active = 0, True
+        try:
+            yield
+        finally:
+            self.active = False
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+    def _receive(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    def agreed_signal(self) -> int:
+        """The signal any rank received (0: none); every rank calls it at the same step."""
+        if not self.active:
+            return 0
+        return int(sync_ddp(torch.tensor(self.received, dtype=torch.int64), reduce_op="max").item())
+
+    def stop(self, signum: int, step: int, checkpoint: str) -> None:
+        """Requeue (rank 0, if asked), say so, and raise :class:`Preempted` (every rank).
+
+        Raises:
+            Preempted: always.
+            subprocess.CalledProcessError: ``scontrol requeue`` failed (rank 0).
+        """
+        name = signal.Signals(signum).name
+        if get_rank() == 0:
+            job = _job_id()
+            then = f"requeueing job {job}: it resumes from there" if self.requeue else "requeue=False: the job stops"
+            # Said first: the requeue cancels this step at once, and srun may forward nothing written after it.
+            print(
+                f"ddpkit: {name} at step {step}: checkpoint saved in {checkpoint}; {then}", file=sys.stderr, flush=True
+            )
+            if self.requeue:
+                subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, text=True)
+        raise Preempted(name, step, self.requeue)
+
+
+def _job_id() -> str:
+    """This job's id for ``scontrol``: ``ARRAYJOB_TASK`` for a task of an array job (as Lightning does)."""
+    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID", "")

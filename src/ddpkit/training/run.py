@@ -1,0 +1,177 @@
+"""How a ``TrainLoop`` runs: its set-up, an epoch's batches and optimizer steps, its checkpoints.
+
+:class:`TrainingRun` is ``TrainLoop``'s base class: ``TrainLoop`` (``loop.py``)
+holds what a user sees (arguments, the steps to override, ``fit``,
+``evaluate``), this class what happens in between. Everything that changes
+while it trains is in one :class:`~ddpkit.training.state.RunState`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from ddpkit.batches import batch_length
+from ddpkit.callbacks import CallbacksHandler
+from ddpkit.checkpoint import CHECKPOINT_FILE
+from ddpkit.collectives import mp_sync
+from ddpkit.ddp_handler import DDPHandler
+from ddpkit.ddp_plugin import DDPPlugin
+from ddpkit.process_group import get_rank, get_world_size, is_distributed
+from ddpkit.training._messages import dump_worker_stacks_in_hang_reports, skipped_model_error
+from ddpkit.training.preemption import PreemptionHandler
+from ddpkit.training.state import RunState, TrainState
+from ddpkit.training.steps import GlobalBatch, TrainingEpochs, average_gradients
+
+__all__ = ["TrainingRun"]
+
+
+class TrainingRun:
+    """The running part of :class:`~ddpkit.TrainLoop` (its base class; see the module docstring)."""
+
+    # Set by TrainLoop.__init__:
+    model: nn.Module
+    train_loader: DataLoader[Any]
+    validation_loader: DataLoader[Any] | None
+    test_loader: DataLoader[Any] | None
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    plugin: DDPPlugin
+    checkpoint_dir: Path | None
+    checkpoint_every: int | None
+    seed: int
+    progress: bool
+    global_batch: GlobalBatch | None
+    preemption: PreemptionHandler
+    callbacks_handler: CallbacksHandler
+    state: RunState
+    ddp_handler: DDPHandler | None
+    ddp_model: nn.Module | None
+    step_times: list[float]
+
+    def __init__(self) -> None:
+        self._epochs: TrainingEpochs | None = None  # the training loader's epochs as steps, once set up
+        self._original_loaders: dict[str, DataLoader[Any] | None] = {}
+        self._forward_calls = 0
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """A batch on the loop's device (``TrainLoop``'s, or a user's override)."""
+        raise NotImplementedError
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """A batch's loss (``TrainLoop``'s, or a user's override)."""
+        raise NotImplementedError
+
+    def _setup(self) -> nn.Module:
+        """Place the model, shard the loaders, wrap in DDP (once)."""
+        self.model.to(self.device)
+        if self.ddp_handler is None:
+            self.ddp_handler = DDPHandler(self)
+            self.ddp_handler.add_distributed_samplers(get_world_size(), get_rank())
+            dump_worker_stacks_in_hang_reports(self, self._original_loaders)
+            sampler = self.ddp_handler.samplers.get("train_loader")
+            self._epochs = TrainingEpochs(self.train_loader, sampler, self.global_batch, get_world_size())
+        if self.ddp_model is None:
+            if is_distributed():
+                device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
+                self.ddp_model = self.plugin.configure_ddp(self.model, device_ids)
+                self.ddp_model.register_forward_pre_hook(self._count_forward)
+            else:
+                self.ddp_model = self.model
+            self.plugin.on_after_setup_optimizers(self)
+        return self.ddp_model
+
+    def _count_forward(self, module: nn.Module, args: Any) -> None:
+        self._forward_calls += 1
+
+    def _train_epoch(self, model: nn.Module, accumulation: int, num_epochs: int) -> float:
+        model.train()
+        synced = isinstance(model, DistributedDataParallel)
+        assert self._epochs is not None
+        position = self.state.begin_epoch()
+        steps = self._epochs.begin(position, accumulation, self.seed, self.state.epoch)
+        done = position // self._epochs.entries_per_round
+        count = self._epochs.batch_count()
+        bar = tqdm(
+            self._epochs.batches(), total=None if count is None else done + count, initial=done, unit="batch",
+            leave=False, desc=f"epoch {self.state.epoch + 1}/{num_epochs}",
+            disable=not (self.progress and get_rank() == 0),
+        )  # fmt: skip
+        busy, previous, batches = 0.0, time.perf_counter(), 0
+        for index, (batch, weight, last) in enumerate(bar):
+            batch = self.batch_to_device(batch)
+            ends_step = steps.ends_step(index) or last
+            if (seed := steps.batch_seed(index)) is not None:
+                torch.manual_seed(seed)
+            # DDP decides at the forward whether this backward all-reduces: both go inside.
+            gradient_sync = contextlib.nullcontext() if ends_step else self.plugin.block_backward_sync(model)
+            with gradient_sync:
+                calls = self._forward_calls
+                loss = self.training_step(model, batch)
+                busy += time.perf_counter() - previous  # loading and forward: before this step's all-reduce
+                if synced and ends_step and self._forward_calls == calls:
+                    raise skipped_model_error(self, done + index)
+                (loss * weight / steps.divisor(index)).backward()  # type: ignore[no-untyped-call]
+            self.state.add_batch(float(loss.detach()), batch_length(batch) * weight)  # a stream's padding: 0 items
+            if ends_step:
+                self._optimizer_step(steps.position_after(index))
+            previous, batches = time.perf_counter(), batches + 1
+        if steps.final_step:  # a last, smaller step of a global batch: not every rank had a batch in it
+            average_gradients(self.model.parameters())
+            self._optimizer_step(steps.end_position())
+        per_rank = mp_sync(torch.cat([self.state.epoch_sums, torch.tensor([busy / max(1, batches)]).double()]))
+        per_rank = per_rank.view(-1, 3)
+        summed, self.step_times = per_rank[:, :2].sum(0), (1000 * per_rank[:, 2]).tolist() if synced else []
+        return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
+
+    def _optimizer_step(self, position: int) -> None:
+        """Step, then checkpoint every ``checkpoint_every`` steps (``position``: entries of the epoch done)."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.end_step()
+        self.callbacks_handler.execute("on_batch_end")
+        if signum := self.preemption.agreed_signal():  # SLURM's warning or stop reached some rank
+            self._save_checkpoint(position)
+            self.preemption.stop(signum, self.state.global_step, str(self.checkpoint_dir))
+        elif self.checkpoint_every and self.checkpoint_dir and self.state.global_step % self.checkpoint_every == 0:
+            self._save_checkpoint(position)
+
+    def _save_checkpoint(self, position: int) -> None:
+        """Write a :class:`~ddpkit.training.TrainState` after ``position`` entries of this epoch (every rank)."""
+        assert self.checkpoint_dir is not None
+        assert self._epochs is not None
+        TrainState.capture(
+            self.state, position, self._epochs, model=self.model.state_dict(),
+            optimizer=self.plugin.optimizer_state(self.optimizer), callbacks=self.callbacks_handler.state_dicts(),
+            seed=self.seed,
+        ).write(self.checkpoint_dir / CHECKPOINT_FILE)  # fmt: skip
+
+    def _resume(self) -> bool:
+        """Go on from the checkpoint in :attr:`checkpoint_dir`, if there is one (every rank); whether there was."""
+        path = self.checkpoint_dir / CHECKPOINT_FILE if self.checkpoint_dir is not None else None
+        if path is None or not path.exists():
+            return False
+        assert self._epochs is not None
+        saved = TrainState.load(path, map_location=self.device)
+        self.model.load_state_dict(saved.model)
+        self.optimizer.load_state_dict(saved.optimizer)
+        self.callbacks_handler.load_state_dicts(saved.callbacks)
+        saved.restore(self.state, self._epochs, keeps_steps=self.global_batch is not None)
+        return True
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to :meth:`fit_distributed`'s workers) without the sharding and DDP wrapper of its set-up."""
+        state = {**self.__dict__, **self._original_loaders, "ddp_handler": None, "ddp_model": None, "_epochs": None}
+        if self.ddp_handler is not None and self.ddp_handler.callback is not None:
+            state["callbacks_handler"] = handler = copy.copy(self.callbacks_handler)
+            handler.callbacks = [c for c in handler.callbacks if c is not self.ddp_handler.callback]
+        return state

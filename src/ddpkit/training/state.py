@@ -1,0 +1,238 @@
+"""Where a ``TrainLoop`` run stands: :class:`RunState` (owned by the loop) and :class:`TrainState` (a checkpoint).
+
+``TrainLoop`` keeps everything that changes while it trains in one
+:class:`RunState`; its public attributes ``epoch``, ``global_step``,
+``history``, ``step_loss`` and ``should_stop`` are that state's fields
+(:class:`RunField`). A checkpoint is a :class:`TrainState`: the run state,
+the weights, the optimizer, the callbacks' states and every rank's random
+state. To add a field to ``TrainLoop``'s checkpoints, add it to
+:class:`TrainState` (and bump its version if old checkpoints lack it).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, overload
+
+import torch
+
+from ddpkit._watchdog import paused
+from ddpkit.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ddpkit.collectives import all_gather_object, sync_ddp
+from ddpkit.errors import DDPKitError
+from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
+from ddpkit.training.steps import TrainingEpochs
+
+__all__ = ["RunField", "RunState", "TrainState"]
+
+T = TypeVar("T")
+
+
+def _sums() -> torch.Tensor:
+    return torch.zeros(2, dtype=torch.float64)
+
+
+@dataclass
+class RunState:
+    """What changes while a ``TrainLoop`` trains; the loop owns it, checkpoints capture and restore it.
+
+    Attributes:
+        epoch: the epoch in progress (0-based); at an epoch's end, the next one.
+        global_step: optimizer steps taken in all.
+        resume_position: entries of ``epoch``'s global order that a resumed run
+            skips at the epoch's start (0 but right after a mid-epoch resume).
+        epoch_sums: ``(2,)`` float64: this rank's loss sum and sample count in
+            the epoch so far (a resumed epoch starts from the checkpoint's
+            sums of all ranks on rank 0, so its train loss is the uninterrupted one).
+        step_loss: ``(2,)`` float64: the same, in the last optimizer step.
+        history: per epoch, ``train_loss`` and ``validation_<metric>``.
+        should_stop: set by a callback (on every rank) to end ``fit`` after this epoch.
+    """
+
+    epoch: int = 0
+    global_step: int = 0
+    resume_position: int = 0
+    epoch_sums: torch.Tensor = field(default_factory=_sums)
+    step_loss: torch.Tensor = field(default_factory=_sums)
+    history: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    should_stop: bool = False
+    _step_start: torch.Tensor = field(default_factory=_sums, repr=False)
+
+    def begin_epoch(self) -> int:
+        """Start the epoch: the position it starts at (taken from :attr:`resume_position`, which becomes 0)."""
+        position, self.resume_position = self.resume_position, 0
+        if not position:
+            self.epoch_sums = _sums()
+        self._step_start = self.epoch_sums.clone()
+        return position
+
+    def add_batch(self, mean_loss: float, items: float) -> None:
+        """Count a batch of ``items`` items whose mean loss was ``mean_loss``."""
+        self.epoch_sums += torch.tensor([mean_loss * items, items], dtype=torch.float64)
+
+    def end_step(self) -> None:
+        """Count an optimizer step; :attr:`step_loss` becomes its sums."""
+        self.global_step += 1
+        self.step_loss, self._step_start = self.epoch_sums - self._step_start, self.epoch_sums.clone()
+
+
+class HasRunState(Protocol):
+    state: RunState
+
+
+class RunField(Generic[T]):
+    """A ``TrainLoop`` attribute that is the field of the same name of its :class:`RunState`."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, loop: None, owner: type | None = None) -> RunField[T]: ...
+
+    @overload
+    def __get__(self, loop: HasRunState, owner: type | None = None) -> T: ...
+
+    def __get__(self, loop: HasRunState | None, owner: type | None = None) -> RunField[T] | T:
+        if loop is None:
+            return self
+        value: T = getattr(loop.state, self.name)
+        return value
+
+    def __set__(self, loop: HasRunState, value: T) -> None:
+        setattr(loop.state, self.name, value)
+
+
+@dataclass
+class TrainState:
+    """Where a ``TrainLoop`` run stands: everything it needs to go on at the exact batch (one checkpoint).
+
+    Attributes:
+        model: the model's ``state_dict()``.
+        optimizer: the optimizer's ``state_dict()``.
+        epoch: the epoch in progress (0-based); at an epoch's end, the next one.
+        position: entries of ``epoch``'s global order done (0 at an epoch's
+            start): items, or whole batches of a batch sampler, of all ranks
+            together, so that any number of ranks can go on from it.
+        epoch_sums: ``(2,)`` float64: the epoch's loss sum and sample count so far, over all ranks.
+        global_step: optimizer steps taken in all.
+        seed: the base seed of the data order.
+        world_size: the number of ranks that wrote it.
+        rng: every rank's random state (:func:`~ddpkit.checkpoint.rng_state`), by rank.
+        history: the per-epoch numbers so far (``train_loss``, ``validation_*``).
+        batch: in checkpoints of ddpkit 0.1 (version 1), the position as batches
+            of ``epoch`` each rank had done; ``None`` since.
+        callbacks: each callback's ``state_dict()``, by callback.
+        stream: for a training stream part-way through ``epoch``, the items
+            every rank has taken (plain data: the stream skips them on resume);
+            ``None`` otherwise. ``position`` then counts the batches all ranks took.
+    """
+
+    #: The layout of the fields; versions 1 (ddpkit 0.1) and 2 (without ``stream``) are read too, others refused.
+    VERSION: ClassVar[int] = 3
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    epoch: int
+    position: int
+    epoch_sums: torch.Tensor
+    global_step: int
+    seed: int
+    world_size: int
+    rng: list[dict[str, Any]]
+    history: dict[str, list[float]] = field(default_factory=dict)
+    batch: int | None = None
+    callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stream: list[Any] | None = None
+
+    @classmethod
+    def capture(
+        cls, run: RunState, position: int, epochs: TrainingEpochs, *, model: dict[str, Any],
+        optimizer: dict[str, Any], callbacks: dict[str, dict[str, Any]], seed: int,
+    ) -> TrainState:  # fmt: skip
+        """The state of ``run`` after ``position`` entries of its current epoch's global order (``epochs``: the
+        training loader's), with the given weights, optimizer state and callback states.
+
+        Every rank must call it: it gathers every rank's RNG state and sums the
+        epoch's partial loss (two small collectives).
+        """
+        rngs = all_gather_object(rng_state())
+        stream = epochs.stream_state() if position else None
+        epoch_sums = sync_ddp(run.epoch_sums.clone()) if position else _sums()
+        return cls(
+            model=model, optimizer=optimizer, epoch=run.epoch, position=position, epoch_sums=epoch_sums,
+            global_step=run.global_step, seed=seed, world_size=get_world_size(), rng=rngs,
+            history={name: list(values) for name, values in run.history.items()}, callbacks=callbacks, stream=stream,
+        )  # fmt: skip
+
+    def restore(self, run: RunState, epochs: TrainingEpochs, *, keeps_steps: bool) -> None:
+        """Put ``run`` where this state was, and this rank's random state (every rank calls it; ``epochs``: the
+        training loader's, sharded). Weights, optimizer and callbacks are the caller's to load.
+
+        On another number of ranks than wrote it, the epoch goes on with exactly
+        the entries not done yet. With a fixed global batch (``keeps_steps``) the
+        steps are those of an uninterrupted run; without one, a step then holds
+        another number of items, which a ``RuntimeWarning`` says.
+        """
+        position = self.position
+        if self.batch is not None:  # ddpkit 0.1: batches per rank
+            position = self.batch * self.world_size * epochs.entries_per_batch
+        run.epoch, run.resume_position, run.global_step = self.epoch, position, self.global_step
+        if position:
+            epochs.resume_stream(self.stream)
+        run.history = defaultdict(list, self.history)
+        first = get_rank() == 0 and position > 0  # rank 0 carries the partial sums of all ranks
+        run.epoch_sums = self.epoch_sums.cpu() if first else _sums()
+        if self.world_size != get_world_size() and not keeps_steps:
+            warnings.warn(
+                f"resuming a checkpoint of {self.world_size} ranks on {get_world_size()}: each optimizer step now "
+                f"holds {get_world_size()}/{self.world_size} times the items it held, and random numbers differ "
+                "from an uninterrupted run. Give TrainLoop a global_batch_size to keep the steps on any world size",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        set_rng_state(self.rng[get_rank() % len(self.rng)])
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write it atomically (:func:`~ddpkit.save_checkpoint`); from one process."""
+        save_checkpoint({"version": self.VERSION, **asdict(self)}, path)
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """:meth:`save` on rank 0, with every rank told whether it could (every rank calls it).
+
+        The other ranks' wait does not count as a hang. A failed write raises on
+        every rank at once (rank 0: its own error, e.g. ``OSError``; the others:
+        :class:`~ddpkit.DDPKitError` naming it) instead of leaving them waiting.
+        """
+        try:
+            with paused(), rank_zero_first():  # rank 0 writes first; the others learn whether it could
+                if get_rank() == 0:
+                    self.save(path)
+        except DDPKitError as exc:
+            raise DDPKitError(
+                f"rank 0 could not write the checkpoint {path}, so rank {get_rank()} stops too: {exc}"
+            ) from exc
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> TrainState:
+        """Read what :meth:`save` wrote.
+
+        Raises:
+            FileNotFoundError: there is no checkpoint at ``path``.
+            ValueError: it is of another version, or not a ``TrainLoop`` checkpoint.
+        """
+        state = load_checkpoint(path, map_location)
+        version = state.pop("version", None)
+        if version == 1:
+            state["position"] = 0  # restore() takes it from "batch"
+        elif not (isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= cls.VERSION):
+            raise ValueError(
+                f"{path} is a checkpoint of version {version!r}; this ddpkit reads TrainLoop checkpoints of versions "
+                f"1 to {cls.VERSION}. Start from another checkpoint_dir, or resume with the ddpkit that wrote it"
+            )
+        try:
+            return cls(**state)
+        except TypeError as exc:
+            raise ValueError(f"{path} is not a TrainLoop checkpoint: {exc}") from None
