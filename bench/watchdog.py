@@ -36,7 +36,7 @@ from ddp_step import batches, mlp, raw_loop
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpkit
-from ddpkit import _watchdog
+from ddpkit.hangs import _watchdog
 
 TARGETS = {"DDP training step": 1.01, "raw all_reduce": 1.05, "sync_ddp mean": 1.05, "gather_all_tensors": 1.05}
 

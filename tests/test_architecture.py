@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -95,3 +97,20 @@ def test_no_module_writes_another_objects_private_attributes() -> None:
     assert hidden, "the test no longer sees the one write it allows"
     assert all(found.endswith(": _torch_worker._worker_info") for found in hidden), hidden
     assert writes == {}, "write through a public attribute or method of the object's own class"
+
+
+def test_moved_modules_are_still_importable_at_their_old_paths() -> None:
+    """The paths of earlier versions re-export what moved, and importing one does not replace a public name of
+    the package: ``ddpkit.launch`` is the function, also after ``import ddpkit.launch`` in a fresh process."""
+    code = (
+        "import inspect, ddpkit\n"
+        "import ddpkit.launch, ddpkit.train_loop, ddpkit.preemption, ddpkit.checkpoint, ddpkit.cli\n"
+        "from ddpkit.launch import launch, run_script, scheduler_environment\n"
+        "from ddpkit.train_loop import TrainLoop\n"
+        "from ddpkit.preemption import Preempted, PreemptionHandler\n"
+        "from ddpkit.checkpoint import load_checkpoint, save_checkpoint\n"
+        "assert inspect.isfunction(ddpkit.launch) and ddpkit.launch is launch, ddpkit.launch\n"
+        "assert ddpkit.TrainLoop is TrainLoop and ddpkit.run_script is run_script\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

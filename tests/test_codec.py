@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpkit.codec import pack, unpack
+from ddpkit.collectives._codec import pack, unpack
 
 
 def roundtrip(obj: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from ddpkit import Callback, TrainLoop
-from ddpkit._agent import node_range, rdzv_configs
 from ddpkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.examples.elastic import (
@@ -34,6 +33,7 @@ from ddpkit.examples.elastic import (
     samples_per_epoch,
 )
 from ddpkit.examples.retrieval import BalancedBatchSampler
+from ddpkit.jobs._agent import node_range, rdzv_configs
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout
 from ddpkit.testing import run_parallel
 from ddpkit.training.steps import GlobalBatch
@@ -287,7 +287,7 @@ def test_nnodes_takes_a_number_or_torchruns_min_max() -> None:
 def test_losing_the_rendezvous_host_is_named() -> None:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-    from ddpkit._agent import _rendezvous_failed
+    from ddpkit.jobs._agent import _rendezvous_failed
 
     message = str(_rendezvous_failed(RendezvousConnectionError("lost"), "127.0.0.1:29400", "1:2", None))
     assert "cannot reach the rendezvous store at 127.0.0.1:29400" in message

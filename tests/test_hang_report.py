@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ddpkit._hang_report import analyse, full_report, summary
-from ddpkit._stacks import user_frame
+from ddpkit.hangs._report import analyse, full_report, summary
+from ddpkit.hangs._stacks import user_frame
 
 USER = "/home/me/train.py"
 TORCH = str(Path(torch.__file__).parent / "distributed" / "distributed_c10d.py")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import RendezvousFailedError, WorkerFailedError, launch
-from ddpkit._worker import limit_threads
+from ddpkit.jobs._worker import limit_threads
 from tests.helpers import alive
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------

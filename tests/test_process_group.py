@@ -32,8 +32,8 @@ from ddpkit import (
     rank_zero_only,
     seed_everything,
 )
-from ddpkit._watchdog import hang_timeout
 from ddpkit.connection import _backend_threads, _resolve_backend
+from ddpkit.hangs._watchdog import hang_timeout
 from ddpkit.process_group import collective_device
 from ddpkit.testing import run_parallel
 

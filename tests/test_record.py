@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpkit.collectives import record
-from ddpkit.collectives.transport import decode_header, encode_header
+from ddpkit.collectives import _record as record
+from ddpkit.collectives._framing import PREFIX, body_offset
+from ddpkit.collectives._transport import decode_header, encode_header
 from ddpkit.errors import DDPKitError
-from ddpkit.framing import PREFIX, body_offset
 
 
 @given(

@@ -55,6 +55,9 @@ from ddpkit.errors import (
     WarningDDP,
     WorkerFailedError,
 )
+
+# Through the module ddpkit.launch, so that it is loaded now and ``ddpkit.launch`` stays the function
+# (a first ``import ddpkit.launch`` later would set the attribute to the module).
 from ddpkit.launch import launch, run_script
 from ddpkit.loaders import (
     build_loader_sampler,

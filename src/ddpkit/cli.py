@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import __version__
-from ddpkit._agent_log import VERBOSE_VARIABLE
-from ddpkit._watchdog import hang_timeout
 from ddpkit.environments import detect_environment
 from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
-from ddpkit.launch import check_target, launch, run_script, scheduler_environment
+from ddpkit.hangs._watchdog import hang_timeout
+from ddpkit.jobs._agent_log import VERBOSE_VARIABLE
+from ddpkit.jobs.launch import check_target, launch, run_script, scheduler_environment
 
 __all__ = ["build_parser", "main"]
 

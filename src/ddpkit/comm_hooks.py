@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as po
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_sgd
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.codec import dtype_name
+from ddpkit.collectives._codec import dtype_name
 from ddpkit.errors import DDPKitError
 
 __all__ = [

@@ -23,11 +23,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ddpkit import _watchdog as watchdog
 from ddpkit._stores import release_loopback_store, serve_on_loopback
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback, launched_environment
 from ddpkit.environments.base import check_resolves
 from ddpkit.errors import ClusterEnvironmentError, DDPKitError
+from ddpkit.hangs import _watchdog as watchdog
 
 __all__ = [
     "SupportsClusterEnvironment",

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpkit import _watchdog as watchdog
 from ddpkit.connection import (
     SupportsClusterEnvironment,
     SupportsMainAddress,
@@ -29,6 +28,7 @@ from ddpkit.connection import (
 )
 from ddpkit.environments import detect_environment
 from ddpkit.errors import DDPKitError
+from ddpkit.hangs import _watchdog as watchdog
 
 __all__ = [
     "SupportsClusterEnvironment",

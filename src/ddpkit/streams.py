@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate, default_convert
 
+from ddpkit._stream_progress import StreamProgress, TakenItems
 from ddpkit._stream_shards import num_shards, read_all, shard_source
 from ddpkit.environments import launched_environment
 from ddpkit.errors import DDPKitError
@@ -211,7 +212,7 @@ class ShardedStream(IterableDataset[Any]):
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         world_size, rank = self.placement()
         units, unit = world_size * workers, rank * workers + worker
-        skip = _Consumed(self.consumed)
+        skip = TakenItems(self.consumed)
         if self.split_for(workers) == "shard":
             shards = num_shards(self._source)
             assert shards is not None
@@ -382,75 +383,3 @@ class _KeyedCollate:
             return torch.tensor([key], dtype=torch.int64), (self.collate_fn or default_convert)(item)
         keys = torch.tensor([key for key, _ in keyed], dtype=torch.int64).reshape(-1, 3)
         return keys, (self.collate_fn or default_collate)([item for _, item in keyed])
-
-
-class StreamProgress:
-    """The items of an epoch of a stream one rank has taken, in a form a checkpoint stores (plain data).
-
-    A *layer* is ``["shard", [[shard, items taken], ...]]`` (split by shard:
-    each shard is read from its start by one unit) or ``["example", units,
-    [last index taken by each unit, or -1]]`` (split by example).
-    """
-
-    def __init__(self, split: Literal["shard", "example"] = "example", units: int = 1) -> None:
-        self.split, self.units = split, units
-        #: Layers of earlier runs of this epoch (a resumed epoch).
-        self.previous: list[Any] = []
-        self._shards: dict[int, int] = {}
-        self._last = [-1] * units
-
-    def add(self, keys: torch.Tensor) -> None:
-        """Count the items of a batch (its keys)."""
-        if self.split == "shard":
-            for shard, offset in keys[:, :2].tolist():
-                self._shards[shard] = max(self._shards.get(shard, 0), offset + 1)
-        else:
-            for index in keys[:, 2].tolist():
-                unit = index % self.units
-                self._last[unit] = max(self._last[unit], index)
-
-    def layer(self) -> list[Any]:
-        """This run's layer."""
-        if self.split == "shard":
-            return ["shard", sorted([shard, count] for shard, count in self._shards.items())]
-        return ["example", self.units, list(self._last)]
-
-    @staticmethod
-    def merged(every_rank: list[list[Any]]) -> list[Any]:
-        """One state from every rank's ``[*previous, layer]`` (the same previous layers, disjoint layers)."""
-        previous, layers = every_rank[0][:-1], [state[-1] for state in every_rank]
-        kind = layers[0][0]
-        if kind == "shard":
-            counts: dict[int, int] = {}
-            for layer in layers:
-                for shard, count in layer[1]:
-                    counts[shard] = max(counts.get(shard, 0), count)
-            return [*previous, ["shard", sorted([s, c] for s, c in counts.items())]]
-        last = [max(values) for values in zip(*(layer[2] for layer in layers), strict=True)]
-        return [*previous, ["example", layers[0][1], last]]
-
-    def state(self) -> list[Any]:
-        """``[*previous, layer]``."""
-        return [*self.previous, self.layer()]
-
-
-class _Consumed:
-    """Whether a key ``(shard, offset, index)`` was taken in an earlier run of the epoch (by any layer)."""
-
-    def __init__(self, layers: tuple[Any, ...]) -> None:
-        self.shards: list[dict[int, int]] = []
-        self.examples: list[tuple[int, list[int]]] = []
-        for layer in layers:
-            if layer[0] == "shard":
-                self.shards.append({int(s): int(c) for s, c in layer[1]})
-            else:
-                self.examples.append((int(layer[1]), [int(v) for v in layer[2]]))
-
-    def __bool__(self) -> bool:
-        return bool(self.shards or self.examples)
-
-    def __call__(self, key: tuple[int, int, int]) -> bool:
-        shard, offset, index = key
-        if any(offset < counts.get(shard, 0) for counts in self.shards):
-            return True
-        return any(index >= 0 and index <= last[index % units] for units, last in self.examples)

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._compat import override
-from ddpkit.codec import dtype_name
-from ddpkit.collectives.transport import GroupInfo, Header, error_header, exchange
+from ddpkit.collectives._codec import dtype_name
+from ddpkit.collectives._transport import GroupInfo, Header, error_header, exchange
 from ddpkit.errors import CollectiveMismatchError
 from ddpkit.process_group import collective_device, get_rank, is_distributed
 

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.codec import pack, unpack
-from ddpkit.collectives.transport import GroupInfo, Header, broadcast_bytes, error_header, exchange
+from ddpkit.collectives._codec import pack, unpack
+from ddpkit.collectives._transport import GroupInfo, Header, broadcast_bytes, error_header, exchange
 
 __all__ = ["all_gather_object", "broadcast_object"]
 
@@ -19,7 +19,7 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None, *, allow
     Unlike ``torch.distributed.all_gather_object``, nothing is pickled: tensors
     travel as their raw bytes, and ``None``, ``bool``, ``int`` (any size),
     ``float`` (exact), ``str`` (UTF-8, any script), ``bytes``, ``list``,
-    ``tuple``, ``set``, ``dict`` and numpy arrays through :mod:`ddpkit.codec`.
+    ``tuple``, ``set``, ``dict`` and numpy arrays through ddpkit's own encoding of plain data.
     Ranks may pass objects of different types and sizes. Small objects cost one
     ``all_gather``.
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ddpkit.codec import dtype_name
+from ddpkit.collectives._codec import dtype_name
+from ddpkit.collectives._transport import GroupInfo, error_header, exchange, raise_errors
 from ddpkit.collectives.agreement import all_equal, signature_terms
-from ddpkit.collectives.transport import GroupInfo, error_header, exchange, raise_errors
 from ddpkit.errors import CollectiveMismatchError
 
 __all__ = ["ReduceOpName", "sync_ddp", "sync_ddp_if_available"]
@@ -49,8 +49,11 @@ _NATIVE = {
     "sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "prod": ReduceOp.PRODUCT,
     "band": ReduceOp.BAND, "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR,
 }  # fmt: skip
-# The check vector: error flag, two signatures with their squares, "cannot ride along" flag.
-_CHECK = 6
+# The check vector's slots (float64, summed over the ranks):
+_NO_INPUT = 0  # 1 on a rank without a tensor to reduce: any > 0 total fails the check
+_CRC, _ADLER = 1, 3  # two slots each: a signature of (dtype, shape, op) and its square (all_equal checks them)
+_NOT_INLINE = 5  # 1 on a rank whose payload does not ride along in the check: any > 0 takes the native path
+_CHECK = 6  # the slots before the payload
 # Elements of a sum/mean payload that ride along in the check vector (2 KiB of float64).
 _INLINE = 256
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -170,21 +173,21 @@ def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOp
     vector = torch.zeros(_CHECK + _INLINE, dtype=torch.float64)
     rides_along = False
     if tensor is None:
-        vector[0] = 1.0
+        vector[_NO_INPUT] = 1.0
     else:
         rides_along = op in ("sum", "mean") and _fits_float64(tensor, world_size)
         text = _describe(tensor, op).encode()
-        for slot, signature in ((1, zlib.crc32(text)), (3, zlib.adler32(text))):
+        for slot, signature in ((_CRC, zlib.crc32(text)), (_ADLER, zlib.adler32(text))):
             vector[slot], vector[slot + 1] = signature_terms(signature, world_size)
-        vector[5] = 0.0 if rides_along else 1.0
+        vector[_NOT_INLINE] = 0.0 if rides_along else 1.0
         if rides_along:
             vector[_CHECK : _CHECK + tensor.numel()] = tensor.detach().reshape(-1).to("cpu", torch.float64)
     vector = vector.to(device)
     dist.all_reduce(vector, op=ReduceOp.SUM, group=group)
     totals = vector[:_CHECK].cpu().tolist()
 
-    agree = all(all_equal(totals[slot], totals[slot + 1], world_size) for slot in (1, 3))
-    if totals[0] or not agree:
+    agree = all(all_equal(totals[slot], totals[slot + 1], world_size) for slot in (_CRC, _ADLER))
+    if totals[_NO_INPUT] or not agree:
         # Every rank saw the same totals, so every rank is here: tell them what each passed.
         if problem is not None:
             header = error_header(problem)
@@ -198,7 +201,7 @@ def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOp
         )
     assert tensor is not None
     with torch.no_grad():
-        if not totals[5]:  # every rank's payload rode along: the float64 sums are exact
+        if not totals[_NOT_INLINE]:  # every rank's payload rode along: the float64 sums are exact
             summed = vector[_CHECK : _CHECK + tensor.numel()].reshape(tensor.shape)
             return tensor.copy_(summed / world_size if op == "mean" else summed)
 

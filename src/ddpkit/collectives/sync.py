@@ -148,7 +148,7 @@ def sync_dicts_ddp(
     (chained in rank order), tensors (concatenated along dim 0 on ``device``),
     numpy arrays (concatenated along axis 0). Unlike OML, nothing is pickled:
     tensors and arrays travel as raw bytes, the whole dict in one exchange, and
-    list items through :mod:`ddpkit.codec` (strings, numbers, ``pathlib`` paths,
+    list items through ddpkit's own encoding of plain data (strings, numbers, ``pathlib`` paths,
     nested lists and dicts of them, ...). Other objects in lists need
     ``allow_pickle=True``, which OML implies.
 

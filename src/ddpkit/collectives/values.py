@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpkit.codec import dtype_from_name, dtype_name, pack, unpack
-from ddpkit.collectives.transport import GroupInfo, Header, error_header, exchange, exchange_headers
+from ddpkit.collectives._codec import dtype_from_name, dtype_name, pack, unpack
+from ddpkit.collectives._framing import align
+from ddpkit.collectives._transport import GroupInfo, Header, error_header, exchange, exchange_headers
 from ddpkit.errors import CollectiveMismatchError
-from ddpkit.framing import align
 
 __all__ = ["Gathered", "KeyMeta", "Value", "gather_values"]
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from ddpkit.callbacks import Callback, CSVLogger, TensorBoardLogger
 from ddpkit.examples.digits import digits_datasets
-from ddpkit.launch import scheduler_environment
+from ddpkit.jobs.launch import scheduler_environment
 from ddpkit.process_group import (
     destroy_dist_connection,
     get_rank,

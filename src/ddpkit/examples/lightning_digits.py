@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.examples.retrieval import BalancedBatchSampler, EmbeddingNet
 from ddpkit.integrations.lightning import ExtractorModuleDDP, PairwiseModuleDDP, PairwiseScorer
-from ddpkit.launch import launch, scheduler_environment
+from ddpkit.jobs.launch import launch, scheduler_environment
 from ddpkit.process_group import is_distributed, seed_everything
 
 __all__ = ["LightningDigitsConfig", "Task", "digits_module", "digits_trainer", "main", "train_digits"]

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from ddpkit.examples.digits import digits_datasets
-from ddpkit.launch import scheduler_environment
+from ddpkit.jobs.launch import scheduler_environment
 from ddpkit.metric_learning import precision_at_1, triplet_loss
 from ddpkit.process_group import get_world_size, seed_everything
 from ddpkit.training import TrainLoop

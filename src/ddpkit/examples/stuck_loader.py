@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.errors import HangError
 from ddpkit.examples.demo import build_model
 from ddpkit.examples.digits import digits_datasets
-from ddpkit.launch import launch
+from ddpkit.jobs.launch import launch
 from ddpkit.training import TrainLoop
 
 __all__ = ["StuckOnRankOne", "main"]

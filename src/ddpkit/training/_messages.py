@@ -7,8 +7,8 @@ import contextlib
 import inspect
 from typing import TYPE_CHECKING, Any
 
-from ddpkit._stacks import StackDumpOnSignal
 from ddpkit.errors import DDPKitError
+from ddpkit.hangs._stacks import StackDumpOnSignal
 from ddpkit.process_group import get_rank, is_distributed
 
 if TYPE_CHECKING:

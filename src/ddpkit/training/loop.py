@@ -25,7 +25,7 @@ from ddpkit.callbacks import Callback, CallbacksHandler
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.evaluation import predict_in_order
-from ddpkit.launch import StartMethod
+from ddpkit.jobs.launch import StartMethod
 from ddpkit.plotting import plot_history
 from ddpkit.process_group import ensure_dist_connection, get_rank, rank_device
 from ddpkit.training._messages import epoch_line, resume_line

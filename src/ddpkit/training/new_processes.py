@@ -10,7 +10,7 @@ import torch
 
 from ddpkit.callbacks import Callback
 from ddpkit.checkpoint import rng_state, set_rng_state
-from ddpkit.launch import launch, scheduler_environment, start_forkserver
+from ddpkit.jobs.launch import launch, scheduler_environment, start_forkserver
 from ddpkit.process_group import get_rank
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, overload
 
 import torch
 
-from ddpkit._watchdog import paused
 from ddpkit.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ddpkit.collectives import all_gather_object, sync_ddp
 from ddpkit.errors import DDPKitError
+from ddpkit.hangs._watchdog import paused
 from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
 from ddpkit.training.steps import TrainingEpochs
 

@@ -1,7 +1,7 @@
 """The fixed-size record every ddpkit gather starts with: the one place that touches memory through ``ctypes``.
 
 Each rank sends a record of the same size (``capacity`` bytes, so the first
-collective cannot mismatch). It is a frame of :mod:`ddpkit.framing`:
+collective cannot mismatch). It is a frame of :mod:`ddpkit.collectives._framing`:
 
 ==================================  ==========================================================
 bytes                               what
@@ -31,17 +31,27 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
+from ddpkit.collectives._framing import BODY_INLINE, HEAD_INLINE, PREFIX, body_offset, pack_prefix, unpack_prefix
 from ddpkit.errors import DDPKitError
-from ddpkit.framing import BODY_INLINE, HEAD_INLINE, PREFIX, body_offset, pack_prefix, unpack_prefix
 
 __all__ = ["Header", "RecordView", "host_bytes", "read_all", "write", "write_plain"]
 
-#: A record's metadata: plain data (JSON-encoded in the record's head); ``transport`` uses the same type.
-Header = dict[str, Any]
+
+class Header(TypedDict, total=False):
+    """A record's metadata (JSON in the record's head, or a compact form for a tensor's): each collective sends
+    the fields it needs, and every rank reads every rank's before any data moves."""
+
+    error: list[str]  # [exception type name, message]: this rank's own input was bad; it sends no data
+    dtype: str  # a tensor's dtype name ("float32") ...
+    shape: list[int]  # ... and shape (gathers)
+    keys: list[Any]  # a dict's keys, in order (value sync) ...
+    values: list[Any]  # ... each value's kind, dtype and shape (``KeyMeta`` on the wire) ...
+    inline: bool  # ... and whether the values ride in the record
+    desc: str  # sync_ddp's description of its input, sent only to name a mismatch
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ of the sender's flavour when the receiver runs another operating system), a
 A non-empty list of strings travels as one UTF-8 leaf joined by NUL (split in
 C on arrival), unless a string contains NUL.
 
-A buffer is a frame of :mod:`ddpkit.framing`: the JSON structure is its head,
+A buffer is a frame of :mod:`ddpkit.collectives._framing`: the JSON structure is its head,
 the leaves (each at a 16-byte boundary) its body.
 """
 
@@ -32,9 +32,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpkit.framing import PREFIX, align, body_offset, pack_prefix, unpack_prefix
+from ddpkit.collectives._framing import PREFIX, align, body_offset, pack_prefix, unpack_prefix
 
 __all__ = ["dtype_from_name", "dtype_name", "pack", "unpack"]
+
+# The tree's tags: any value that is not a JSON scalar or a list travels as a one-key dict {tag: value}.
+# A "leaf" is an index into the body's aligned byte blocks; its byte count follows it.
+TENSOR = "T"  # torch tensor: [leaf, dtype name, shape, device type, requires_grad]
+ARRAY = "A"  # numpy array: [leaf, dtype name, shape]
+NUMPY_SCALAR = "S"  # numpy scalar: [leaf, dtype name]
+STRINGS = "U"  # a list of strings: [leaf, bytes], the UTF-8 strings joined by NUL
+BYTES = "B"  # bytes: [leaf, bytes]
+BYTEARRAY = "b"  # bytearray: [leaf, bytes]
+PATH = "p"  # pathlib path: [str, "posix" or "windows", whether a concrete Path]
+DICT = "d"  # dict: [[key node, value node], ...]
+TUPLE, SET, FROZENSET, LIST = "t", "s", "f", "l"  # [node, ...] (LIST: a list in a subclass)
+PICKLED = "P"  # pickle (only with allow_pickle): [leaf, bytes]
+_SEQUENCES: dict[str, type[Any]] = {LIST: list, TUPLE: tuple, SET: set, FROZENSET: frozenset}
 
 _SCALARS = (str, int, float, bool, type(None))
 _SCALAR_TYPES = frozenset(_SCALARS)
@@ -147,32 +161,32 @@ class _Encoder:
                 joined = "\x00".join(obj)
                 if joined.count("\x00") == len(obj) - 1:
                     data = joined.encode("utf-8", "surrogatepass")
-                    return {"U": [self.leaf(_bytes_tensor(data)), len(data)]}
+                    return {STRINGS: [self.leaf(_bytes_tensor(data)), len(data)]}
             if types <= _SCALAR_TYPES:  # fast path: flat lists of scalars travel as JSON
                 return obj
             return [self.encode(item, f"{path}[{i}]") for i, item in enumerate(obj)]
         if isinstance(obj, torch.Tensor):
-            return {"T": self.tensor(obj, path)}
+            return {TENSOR: self.tensor(obj, path)}
         if isinstance(obj, np.ndarray):
-            return {"A": self.array(obj, path)}
+            return {ARRAY: self.array(obj, path)}
         if isinstance(obj, np.generic):
-            return {"S": self.array(np.asarray(obj), path)[:2]}
+            return {NUMPY_SCALAR: self.array(np.asarray(obj), path)[:2]}
         if isinstance(obj, (bool, int, float, str)):  # subclasses: IntEnum, str enums, ...
             return _builtin(obj)
         if isinstance(obj, (bytes, bytearray)):
-            return {"B" if isinstance(obj, bytes) else "b": [self.leaf(_bytes_tensor(obj)), len(obj)]}
+            return {BYTES if isinstance(obj, bytes) else BYTEARRAY: [self.leaf(_bytes_tensor(obj)), len(obj)]}
         if isinstance(obj, pathlib.PurePath):
             windows = isinstance(obj, pathlib.PureWindowsPath)
-            return {"p": [str(obj), "windows" if windows else "posix", isinstance(obj, pathlib.Path)]}
+            return {PATH: [str(obj), "windows" if windows else "posix", isinstance(obj, pathlib.Path)]}
         if isinstance(obj, dict):
             items = [[self.encode(k, f"{path} key {k!r}"), self.encode(v, f"{path}[{k!r}]")] for k, v in obj.items()]
-            return {"d": items}
-        for base, tag in ((list, "l"), (tuple, "t"), (set, "s"), (frozenset, "f")):
+            return {DICT: items}
+        for tag, base in _SEQUENCES.items():
             if isinstance(obj, base):
                 return {tag: [self.encode(item, f"{path}[{i}]") for i, item in enumerate(obj)]}
         if self.allow_pickle:
             data = pickle.dumps(obj)
-            return {"P": [self.leaf(_bytes_tensor(data)), len(data)]}
+            return {PICKLED: [self.leaf(_bytes_tensor(data)), len(data)]}
         raise TypeError(
             f"{path} is a {kind.__module__}.{kind.__qualname__}, which ddpkit does not send without pickle; "
             "send tensors, arrays, numbers, strings, bytes, lists, tuples and dicts, or pass allow_pickle=True "
@@ -247,28 +261,28 @@ class _Decoder:
         if not isinstance(node, dict):
             return node
         ((tag, value),) = node.items()
-        if tag == "T":
+        if tag == TENSOR:
             return self.tensor(*value)
-        if tag == "A":
+        if tag == ARRAY:
             return self.array(*value)
-        if tag == "S":
+        if tag == NUMPY_SCALAR:
             return self.array(value[0], value[1], [])[()]
-        if tag == "U":
+        if tag == STRINGS:
             return bytes(self.take(*value).cpu().numpy()).decode("utf-8", "surrogatepass").split("\x00")
-        if tag in ("B", "b"):
+        if tag in (BYTES, BYTEARRAY):
             raw = bytes(self.take(*value).cpu().numpy())
-            return raw if tag == "B" else bytearray(raw)
-        if tag == "d":
+            return raw if tag == BYTES else bytearray(raw)
+        if tag == DICT:
             return {_hashable(self.decode(k)): self.decode(v) for k, v in value}
-        if tag == "p":
+        if tag == PATH:
             return _path(*value)
-        if tag == "P":
+        if tag == PICKLED:
             if not self.allow_pickle:
                 raise pickle.UnpicklingError(
                     "this data was pickled by the sender; refusing to unpickle it without allow_pickle=True"
                 )
             return pickle.loads(bytes(self.take(*value).cpu().numpy()))
-        builder = {"l": list, "t": tuple, "s": set, "f": frozenset}.get(tag)
+        builder = _SEQUENCES.get(tag)
         if builder is None:
             raise ValueError(f"corrupt ddpkit codec buffer: unknown tag {tag!r}")
         items = [self.decode(item) for item in value]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit._orphans import die_with_parent
+from ddpkit.hangs._state import ChildStack, ThreadStack
 
 __all__ = [
     "StackDumpOnSignal",
@@ -94,10 +95,10 @@ def dump_stacks_in_forked_children() -> None:
         _hooked_forks = True
 
 
-def children_stacks() -> list[dict[str, Any]]:
+def children_stacks() -> list[ChildStack]:
     """``{"pid", "name", "stack"}`` of each child of this process; the stack is its dump (see the module
     docstring), or a note when it does not dump it."""
-    stacks = []
+    stacks: list[ChildStack] = []
     for child in multiprocessing.active_children():
         pid = child.pid
         if pid is None:
@@ -108,17 +109,17 @@ def children_stacks() -> list[dict[str, Any]]:
     return stacks
 
 
-def thread_stacks(skip: int) -> list[dict[str, Any]]:
+def thread_stacks(skip: int) -> list[ThreadStack]:
     """Every thread's stack but the watchdog's, outermost frame first; the main thread first."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     main = threading.main_thread().ident
-    threads = []
+    threads: list[ThreadStack] = []
     for ident, frame in sys._current_frames().items():
         if ident == skip:
             continue
         frames = [[f.filename, f.lineno, f.name, (f.line or "").strip()] for f in traceback.extract_stack(frame)]
         threads.append({"name": names.get(ident, str(ident)), "main": ident == main, "frames": frames})
-    return sorted(threads, key=lambda t: not t["main"])
+    return sorted(threads, key=lambda t: not t.get("main"))
 
 
 def kill_children() -> None:

@@ -3,7 +3,7 @@
 Every gather in ddpkit goes through :func:`exchange`:
 
 1. One ``all_gather`` of a fixed-size record per rank (the same size on every
-   rank, so it cannot mismatch; its bytes: :mod:`ddpkit.collectives.record`):
+   rank, so it cannot mismatch; its bytes: :mod:`ddpkit.collectives._record`):
    the rank's header (metadata: kind, dtype, shape, keys...) and, when it fits,
    the payload itself. Small payloads cost this one collective.
 2. Every rank now knows every header and every size. The caller's check runs on
@@ -32,10 +32,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ddpkit.codec import dtype_name
-from ddpkit.collectives import record
+from ddpkit.collectives import _record as record
+from ddpkit.collectives._codec import dtype_name
+from ddpkit.collectives._framing import align
 from ddpkit.errors import DDPKitError
-from ddpkit.framing import align
 from ddpkit.process_group import device_of_group, is_distributed
 
 __all__ = [
@@ -128,7 +128,8 @@ def decode_header(data: bytes) -> Header:
     if data[:1] == b"\x01":
         _, code, ndim = _TENSOR_HEADER.unpack_from(data)
         return {"dtype": dtype_name(_DTYPES[code]), "shape": list(struct.unpack_from(f"<{ndim}q", data, 3))}
-    return dict(json.loads(data[1:]))
+    header: Header = json.loads(data[1:])
+    return header
 
 
 def inline_capacity(world_size: int) -> int:

@@ -1,8 +1,8 @@
 """The one byte format ddpkit sends: a 16-byte prefix, a head, then a body at a 16-byte boundary.
 
-Both the codec's buffers (:mod:`ddpkit.codec`: the head is the JSON structure,
+Both the codec's buffers (:mod:`ddpkit.collectives._codec`: the head is the JSON structure,
 the body the tensors', arrays' and bytes' raw data) and the fixed record every
-gather starts with (:mod:`ddpkit.collectives.record`: the head is the
+gather starts with (:mod:`ddpkit.collectives._record`: the head is the
 metadata, the body the payload when it fits) are frames:
 
 ==========================  ======  ==================================================

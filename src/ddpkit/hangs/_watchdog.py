@@ -11,7 +11,7 @@ hangs. Then, through a second connection to the process group's store:
 1. the first rank to notice becomes the leader and sets a trigger;
 2. every rank's watchdog answers with its latest collective per group and the
    Python stack of every thread (and of its forked DataLoader workers);
-3. the leader compares them (:mod:`ddpkit._hang_report`), writes the full
+3. the leader compares them (:mod:`ddpkit.hangs._report`), writes the full
    report to a file, leaves a failure record for the launcher, prints the
    summary, and every rank ends its process (exit code 1), so the job stops
    instead of waiting for the process-group timeout.
@@ -42,9 +42,10 @@ import torch.distributed as dist
 
 from ddpkit._compat import override
 from ddpkit._failures import FAILURE_DIR_VARIABLE, write_hang_record
-from ddpkit._hang_report import RankState, analyse, full_report, summary
 from ddpkit._orphans import children_die_with_this_process
-from ddpkit._stacks import children_stacks, dump_stacks_in_forked_children, kill_children, thread_stacks
+from ddpkit.hangs._report import analyse, full_report, summary
+from ddpkit.hangs._stacks import children_stacks, dump_stacks_in_forked_children, kill_children, thread_stacks
+from ddpkit.hangs._state import GroupState, RankState
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -224,7 +225,7 @@ class Watchdog(threading.Thread):
         self._end(leader=True)
 
     def _answer(self) -> None:
-        state = {
+        state: RankState = {
             "rank": self._rank,
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -275,21 +276,21 @@ def _dump_json(only_active: bool) -> bytes:
     return data
 
 
-def _recorded_groups() -> dict[str, dict[str, Any]]:
+def _recorded_groups() -> dict[str, GroupState]:
     """Per process group: its description, members (when the recorder knows them) and latest collective."""
     from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
 
     dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=True))
     configs = dump.get("pg_config", {})
     now = time.time_ns()
-    groups: dict[str, dict[str, Any]] = {}
+    groups: dict[str, GroupState] = {}
     for entry in dump.get("entries", []):
         if entry.get("is_p2p"):
             continue
         name, description = [*entry.get("process_group", ()), "", ""][:2]
         seq = int(entry.get("collective_seq_id", 0))
         group = groups.setdefault(name, {"desc": description or name, "ranks": _members(configs, name, description)})
-        if group.get("last") and group["last"]["seq"] > seq:
+        if "last" in group and group["last"].get("seq", 0) > seq:
             continue
         group["last"] = {
             "seq": seq,

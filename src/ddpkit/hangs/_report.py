@@ -21,14 +21,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit._stacks import dumped_frames, frame_text, is_ddpkits, is_users, marked, user_frame
+from ddpkit.hangs._stacks import dumped_frames, frame_text, is_ddpkits, is_users, marked, user_frame
+from ddpkit.hangs._state import LastCollective, RankState
 
-__all__ = ["GroupVerdict", "HangAnalysis", "RankState", "analyse", "full_report", "summary"]
-
-#: One rank's answer: ``{"rank", "host", "pid", "groups": {name: {"ranks", "desc", "last"}}, "threads",
-#: "children", "waited"}``; ``last`` is ``{"seq", "op", "sizes", "dtypes", "active", "age", "frames"}`` or
-#: ``None``; a frame is ``[filename, line, function, source text]``.
-RankState = dict[str, Any]
+__all__ = ["GroupVerdict", "HangAnalysis", "analyse", "full_report", "summary"]
 
 
 @dataclass
@@ -244,23 +240,23 @@ def _in_collective(analysis: HangAnalysis, rank: int) -> bool:
     return bool(last and last.get("active"))
 
 
-def _describe_call(last: dict[str, Any] | None) -> str:
+def _describe_call(last: LastCollective | None) -> str:
     """``all_reduce #7 (float32 [7])``."""
     if not last:
         return "no collective"
     return f"{_name(last)} #{last.get('seq')}{_shapes(last)}"
 
 
-def _op(last: dict[str, Any] | None) -> str:
+def _op(last: LastCollective | None) -> str:
     """``all_reduce (float32 [7])``."""
     return f"{_name(last)}{_shapes(last)}" if last else "no collective"
 
 
-def _name(last: dict[str, Any]) -> str:
+def _name(last: LastCollective) -> str:
     return str(last.get("op", "?")).split(":")[-1]
 
 
-def _shapes(last: dict[str, Any]) -> str:
+def _shapes(last: LastCollective) -> str:
     pairs = zip(last.get("sizes", []), last.get("dtypes", []), strict=False)
     shapes = ", ".join(f"{_DTYPES.get(str(dtype), str(dtype).lower())} {list(size)}" for size, dtype in pairs)
     return f" ({shapes})" if shapes else ""
@@ -274,16 +270,16 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def _signature(last: dict[str, Any] | None) -> tuple[Any, ...]:
+def _signature(last: LastCollective | None) -> tuple[Any, ...]:
     if not last:
         return ()
     return (last.get("op"), repr(last.get("sizes")), repr(last.get("dtypes")))
 
 
-def _last(state: RankState | None, group: str) -> dict[str, Any] | None:
+def _last(state: RankState | None, group: str) -> LastCollective | None:
     if state is None:
         return None
-    last: dict[str, Any] | None = state.get("groups", {}).get(group, {}).get("last")
+    last: LastCollective | None = state.get("groups", {}).get(group, {}).get("last")
     return last
 
 

@@ -1,6 +1,6 @@
 """Run a user's script as ``python [-m] script args`` would, recording a failure first.
 
-``ddpkit run`` starts every worker as ``python -u -m ddpkit._script_runner
+``ddpkit run`` starts every worker as ``python -u -m ddpkit.jobs._script_runner
 script.py args`` so that a failing worker leaves a failure record (see
 :mod:`ddpkit._failures`) and the launcher can name the rank that failed first.
 The script sees the usual ``__name__ == "__main__"``, ``sys.argv`` and
@@ -13,11 +13,11 @@ import os
 import runpy
 import sys
 
-from ddpkit._agent_log import is_verbose
 from ddpkit._failures import FAILURE_DIR_VARIABLE, earliest, read_records, write_record
 from ddpkit._orphans import children_die_with_this_process, die_with_parent
 from ddpkit._stores import serve_on_loopback
-from ddpkit._watchdog import enable_flight_recorder, hang_timeout, start_watchdog
+from ddpkit.hangs._watchdog import enable_flight_recorder, hang_timeout, start_watchdog
+from ddpkit.jobs._agent_log import is_verbose
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     if as_module:
         args = args[1:]
     if not args:
-        raise SystemExit("usage: python -m ddpkit._script_runner [-m] SCRIPT_OR_MODULE [ARGS...]")
+        raise SystemExit("usage: python -m ddpkit.jobs._script_runner [-m] SCRIPT_OR_MODULE [ARGS...]")
     try:
         run_target(args[0], args[1:], as_module)
     except Exception as exc:

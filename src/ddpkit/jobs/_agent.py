@@ -13,7 +13,7 @@
   ``RendezvousError`` become :class:`~ddpkit.WorkerFailedError` (or
   :class:`~ddpkit.HangError`) naming the first failing rank, and
   :class:`~ddpkit.RendezvousFailedError`; meanwhile torch's launcher log goes to
-  a file (:mod:`ddpkit._agent_log`), which the error names, and each restart
+  a file (:mod:`ddpkit.jobs._agent_log`), which the error names, and each restart
   prints one line.
 """
 
@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from ddpkit._agent_log import agent_log
 from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error
 from ddpkit._stores import release_loopback_store, serve_on_loopback
-from ddpkit._watchdog import TIMEOUT_VARIABLE
 from ddpkit.environments import is_loopback
 from ddpkit.environments.base import check_resolves
 from ddpkit.errors import ClusterEnvironmentError, RendezvousFailedError
+from ddpkit.hangs._watchdog import TIMEOUT_VARIABLE
+from ddpkit.jobs._agent_log import agent_log
 
 __all__ = [
     "SHUTDOWN_GRACE_S",
