@@ -41,7 +41,7 @@ import ddpkit
 import ddpkit.environments
 from ddpkit import checkpoint as checkpoint_module
 from ddpkit.examples.digits import digits_datasets
-from ddpkit.training import state as training_state
+from ddpkit.training import _state as training_state
 from tests.helpers import settle_dying_threads
 
 ENTRY_POINTS = ("fit", "patch", "handler")

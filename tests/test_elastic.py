@@ -36,7 +36,7 @@ from ddpkit.examples.retrieval import BalancedBatchSampler
 from ddpkit.jobs._agent import node_range, rdzv_configs
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout
 from ddpkit.testing import run_parallel
-from ddpkit.training.steps import GlobalBatch
+from ddpkit.training._steps import GlobalBatch
 
 # --- the global batch: steps and weights ---------------------------------------------------------
 

@@ -9,7 +9,7 @@ import pytest
 
 from ddpkit.environments import detect_environment
 from ddpkit.testing import run_parallel
-from ddpkit.training.preemption import Preempted, PreemptionHandler, _job_id
+from ddpkit.training._preemption import Preempted, PreemptionHandler, _job_id
 
 _SLURM_TASK = {
     "SLURM_JOB_ID": "41",

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ddpkit.training.loop import TrainLoop
+from ddpkit.training._loop import TrainLoop
 
 __all__ = ["TrainLoop"]

@@ -88,6 +88,14 @@ class StackDumpOnSignal:
             self.worker_init_fn(worker_id)
 
 
+def dump_worker_stacks_in_hang_reports(loaders: Iterable[Any]) -> None:
+    """The DataLoader workers of ``loaders`` (ones ddpkit built, whose ``worker_init_fn`` it may wrap) show
+    their stacks in a hang report, also when they are spawned (as in a worker of ``launch``)."""
+    for loader in loaders:
+        if loader.num_workers > 0 and not isinstance(loader.worker_init_fn, StackDumpOnSignal):
+            loader.worker_init_fn = StackDumpOnSignal(loader.worker_init_fn)
+
+
 def dump_stacks_in_forked_children() -> None:
     global _hooked_forks
     if not _hooked_forks and hasattr(os, "register_at_fork"):

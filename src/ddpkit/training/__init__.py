@@ -1,15 +1,18 @@
 """Training: :class:`~ddpkit.TrainLoop` and what it owns.
 
-``loop`` (what a user sees of ``TrainLoop``), ``run`` (its set-up, epochs and
-optimizer steps), ``state`` (the run state it owns, and the checkpoint made of
-it), ``steps`` (which batches end an optimizer step), ``new_processes``
-(``fit_distributed``), ``preemption`` (SLURM's signals).
+Its modules are private; what they hold: ``_loop`` (what a user sees of
+``TrainLoop``), ``_run`` (its set-up, epochs and optimizer steps), ``_state``
+(the run state it owns, and the checkpoint made of it), ``_steps`` (which
+batches end an optimizer step), ``_sources`` (a loader's epochs, map-style or
+streamed), ``_evaluation`` (metrics equal to one process's),
+``_new_processes`` (``fit_distributed``), ``_preemption`` (SLURM's signals),
+``_messages`` (what it prints and raises).
 """
 
 from __future__ import annotations
 
-from ddpkit.training.loop import TrainLoop
-from ddpkit.training.preemption import Preempted, PreemptionHandler
-from ddpkit.training.state import RunState, TrainState
+from ddpkit.training._loop import TrainLoop
+from ddpkit.training._preemption import Preempted, PreemptionHandler
+from ddpkit.training._state import RunState, TrainState
 
 __all__ = ["Preempted", "PreemptionHandler", "RunState", "TrainLoop", "TrainState"]

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ddpkit.errors import DDPKitError
-from ddpkit.hangs._stacks import StackDumpOnSignal
-from ddpkit.process_group import get_rank, is_distributed
+from ddpkit.process_group import get_rank
 
 if TYPE_CHECKING:
-    from ddpkit.training.run import TrainingRun
+    from ddpkit.training._run import TrainingRun
 
-__all__ = ["dump_worker_stacks_in_hang_reports", "epoch_line", "skipped_model_error", "straggler_text"]
+__all__ = ["epoch_line", "skipped_model_error", "straggler_text"]
 
 
 def skipped_model_error(loop: TrainingRun, index: int) -> DDPKitError:
@@ -61,14 +60,3 @@ def resume_line(loop: TrainingRun, num_epochs: int) -> str:
         f"resuming from {loop.checkpoint_dir}: epoch {epoch + 1}/{num_epochs}{where}, "
         f"after {loop.state.global_step} optimizer steps"
     )
-
-
-def dump_worker_stacks_in_hang_reports(loop: TrainingRun, original_loaders: dict[str, Any]) -> None:
-    """The DataLoader workers of the loaders ddpkit rebuilt show their stacks in a hang report (also when
-    they are spawned, which they are in a worker of ``launch``)."""
-    if not is_distributed():
-        return
-    for name, original in original_loaders.items():
-        loader = getattr(loop, name)
-        if loader is not None and loader is not original and loader.num_workers > 0:
-            loader.worker_init_fn = StackDumpOnSignal(loader.worker_init_fn)

@@ -24,16 +24,16 @@ from ddpkit.batches import move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
-from ddpkit.evaluation import predict_in_order
 from ddpkit.jobs.launch import StartMethod
 from ddpkit.plotting import plot_history
 from ddpkit.process_group import ensure_dist_connection, get_rank, rank_device
+from ddpkit.training._evaluation import predict_in_order
 from ddpkit.training._messages import epoch_line, resume_line
-from ddpkit.training.new_processes import fit_on_new_processes
-from ddpkit.training.preemption import PreemptionHandler
-from ddpkit.training.run import TrainingRun
-from ddpkit.training.state import RunField, RunState
-from ddpkit.training.steps import GlobalBatch
+from ddpkit.training._new_processes import fit_on_new_processes
+from ddpkit.training._preemption import PreemptionHandler
+from ddpkit.training._run import TrainingRun
+from ddpkit.training._state import RunField, RunState
+from ddpkit.training._steps import GlobalBatch
 
 __all__ = ["TrainLoop"]
 

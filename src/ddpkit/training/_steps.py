@@ -22,19 +22,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit.collectives import all_gather_object
 from ddpkit.process_group import get_world_size, is_distributed
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout, epoch_seed
-from ddpkit.streams import StreamDataLoader, StreamProgress
+from ddpkit.training._sources import EpochSource
 
 __all__ = ["Accumulation", "GlobalBatch", "GlobalSteps", "StepPlan", "TrainingEpochs", "average_gradients"]
 
@@ -94,7 +92,7 @@ class Accumulation:
 
     def ends_step(self, index: int) -> bool:
         """Whether this rank's batch ``index`` (counted from ``start``) ends an optimizer step (a stream's last
-        batch, whose count is not known ahead, ends one too: :meth:`TrainingEpochs.batches` says which)."""
+        batch, whose count is not known ahead, ends one too: the source's ``training_batches`` says which)."""
         return (self.offset + index + 1) % self.accumulation == 0 or index + 1 == self.batches
 
     def divisor(self, index: int) -> int:
@@ -246,122 +244,52 @@ def average_gradients(parameters: Iterable[nn.Parameter]) -> None:
 
 
 class TrainingEpochs:
-    """A sharded training loader's epochs as optimizer steps (what ``TrainLoop`` asks of its training data).
+    """The training loader's epochs as optimizer steps (what ``TrainLoop`` asks of its training data).
 
     Args:
-        loader: the training loader, sharded.
-        sampler: its distributed sampler (the batch sampler, or the sampler).
+        source: the training loader's epochs (:func:`~ddpkit.training._sources.epoch_source`), sharded.
         global_batch: the fixed global batch, or ``None`` to accumulate.
         world_size: the number of ranks.
 
     With a global batch the sampler deals every item out once (no padding, no
-    dropping), and for an item loader the world size is checked at once. A
-    loader over a stream (:class:`~ddpkit.StreamDataLoader`) has no global
-    order: its positions count the batches all ranks took.
+    dropping), and when the batches' items are known ahead the world size is
+    checked at once. A stream has no global order: its positions count the
+    batches all ranks took.
 
     Raises:
         TypeError: a global batch with a sampler that is not ddpkit's wrapper.
         ValueError: a global batch with ``drop_last=True``, with a stream, or that this world size cannot reach.
     """
 
-    def __init__(
-        self, loader: DataLoader[Any], sampler: DistributedSampler[Any] | None, global_batch: GlobalBatch | None,
-        world_size: int,
-    ) -> None:  # fmt: skip
-        self.loader, self.sampler, self.global_batch = loader, sampler, global_batch
-        #: The loader, when it reads a stream.
-        self.stream = loader if isinstance(loader, StreamDataLoader) else None
-        if self.stream is not None:
-            self.entries_per_batch, self.entries_per_round = 1, world_size
-            if global_batch is not None:
-                raise ValueError(
-                    f"global_batch_size={global_batch.size} needs a training set with a global order (a map-style "
-                    "dataset); a stream has none. Use grad_accumulation with a stream"
-                )
-            return
-        batch_sampler_entries = isinstance(loader.batch_sampler, DistributedSampler) or loader.batch_size is None
-        #: Sampler entries per loader batch: 1 for a batch sampler, the batch size for an item sampler.
-        self.entries_per_batch = 1 if batch_sampler_entries else int(loader.batch_size or 1)
+    def __init__(self, source: EpochSource, global_batch: GlobalBatch | None, world_size: int) -> None:
+        self.source, self.global_batch = source, global_batch
+        #: Entries of the global order in one loader batch of a rank.
+        self.entries_per_batch = source.entries_per_batch
         #: Entries all ranks' ``i``-th batches hold together.
-        self.entries_per_round = self.entries_per_batch * world_size
-        if global_batch is None:
-            return
-        wrapper = self.wrapper(f"global_batch_size={global_batch.size}")
-        if loader.drop_last:
-            raise ValueError(
-                f"global_batch_size={global_batch.size} uses every training item once per epoch: build the training "
-                "DataLoader with drop_last=False"
-            )
-        wrapper.drop_last, wrapper.even_shards = False, False
-        if not batch_sampler_entries:
-            global_batch.accumulation(world_size, self.entries_per_batch)
-
-    def wrapper(self, needed_by: str) -> DistributedSamplerWrapper:
-        """The sampler, which ``needed_by`` needs to be ddpkit's.
-
-        Raises:
-            TypeError: it is another (a ``DistributedSampler`` of the user's).
-        """
-        if not isinstance(self.sampler, DistributedSamplerWrapper):
-            raise TypeError(
-                f"{needed_by} needs ddpkit's DistributedSamplerWrapper to shard the training data; the training "
-                f"loader has a {type(self.sampler).__name__}: give TrainLoop the unsharded loader"
-            )
-        return self.sampler
+        self.entries_per_round = source.entries_per_batch * world_size
+        #: The sampler that deals a global batch's epochs out.
+        self.dealer: DistributedSamplerWrapper | None = None
+        if global_batch is not None:
+            self.dealer = source.deal_every_item(f"global_batch_size={global_batch.size}")
+            if source.items_per_batch is not None:
+                global_batch.accumulation(world_size, source.items_per_batch)
 
     def begin(self, position: int, accumulation: int, seed: int, epoch: int) -> StepPlan:
         """Start epoch ``epoch`` at entry ``position`` (0: its beginning); its steps (a global batch's hash
         ``seed``, the epoch and each batch's position into the batch seeds)."""
-        if self.stream is not None:  # a resumed epoch's items taken are skipped by the stream itself
-            return Accumulation(accumulation, None, position, self.entries_per_round)
-        if position:
-            self.wrapper("resuming part-way through an epoch").set_position(position)
-        if self.global_batch is not None:
+        self.source.seek(position)
+        if self.dealer is not None:
             return _DealtSteps(self, seed, epoch)
-        count = self.sampler.entry_count if isinstance(self.sampler, DistributedSamplerWrapper) else None
-        return Accumulation(accumulation, len(self.loader), position, self.entries_per_round, count)
-
-    def batches(self) -> Iterator[tuple[Any, float, bool]]:
-        """The epoch's batches on this rank: ``(batch, weight, last)``.
-
-        ``weight`` multiplies the batch's loss: 0 for a stream's padding batch
-        under ``ends="join"`` (a rank whose part ran out takes part in the others'
-        steps without adding to them), else 1. ``last``: a stream's last batch
-        (every rank's at the same index), which ends a step.
-        """
-        if self.stream is None:
-            yield from ((batch, 1.0, False) for batch in self.loader)
-            return
-        join = self.stream.ends == "join"
-        tagged = self.stream.iter_tagged("even" if join else None, count=False)
-        ahead = next(tagged, None)
-        while ahead is not None:
-            current, ahead = ahead, next(tagged, None)
-            if not current.padding:  # taken when used (a checkpoint after this step skips it), not when read
-                self.stream.progress.add(current.keys)
-            yield current.batch, 0.0 if join and current.padding else 1.0, ahead is None
-
-    def batch_count(self) -> int | None:
-        """This rank's batches in an epoch (``None`` for a stream)."""
-        return None if self.stream is not None else len(self.loader)
-
-    def stream_state(self) -> list[Any] | None:
-        """The items of a stream every rank has taken this epoch (every rank calls it); ``None`` without a stream."""
-        if self.stream is None:
-            return None
-        return StreamProgress.merged(all_gather_object(self.stream.progress.state()))
-
-    def resume_stream(self, consumed: list[Any] | None) -> None:
-        """Skip the items ``consumed`` lists (:meth:`stream_state`) in the next epoch of the stream."""
-        if self.stream is not None and consumed:
-            self.stream.resume(consumed)
+        return Accumulation(
+            accumulation, self.source.batch_count(), position, self.entries_per_round, self.source.entry_count()
+        )
 
     def global_steps(self, seed: int, epoch: int) -> GlobalSteps:
         """The global batch's steps of the epoch the sampler has dealt out."""
-        wrapper = self.wrapper("a global_batch_size")
         assert self.global_batch is not None
-        assert wrapper.last_layout is not None, "begin() first, then iterate the loader"
-        return self.global_batch.epoch(wrapper.last_layout, wrapper.rank, self.entries_per_batch, seed, epoch)
+        assert self.dealer is not None
+        assert self.dealer.last_layout is not None, "begin() first, then iterate the loader"
+        return self.global_batch.epoch(self.dealer.last_layout, self.dealer.rank, self.entries_per_batch, seed, epoch)
 
 
 class _DealtSteps:

@@ -24,7 +24,7 @@ from ddpkit.collectives import all_gather_object, sync_ddp
 from ddpkit.errors import DDPKitError
 from ddpkit.hangs._watchdog import paused
 from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
-from ddpkit.training.steps import TrainingEpochs
+from ddpkit.training._steps import TrainingEpochs
 
 __all__ = ["RunField", "RunState", "TrainState"]
 
@@ -159,7 +159,7 @@ class TrainState:
         epoch's partial loss (two small collectives).
         """
         rngs = all_gather_object(rng_state())
-        stream = epochs.stream_state() if position else None
+        stream = epochs.source.taken() if position else None
         epoch_sums = sync_ddp(run.epoch_sums.clone()) if position else _sums()
         return cls(
             model=model, optimizer=optimizer, epoch=run.epoch, position=position, epoch_sums=epoch_sums,
@@ -181,7 +181,7 @@ class TrainState:
             position = self.batch * self.world_size * epochs.entries_per_batch
         run.epoch, run.resume_position, run.global_step = self.epoch, position, self.global_step
         if position:
-            epochs.resume_stream(self.stream)
+            epochs.source.skip(self.stream)
         run.history = defaultdict(list, self.history)
         first = get_rank() == 0 and position > 0  # rank 0 carries the partial sums of all ranks
         run.epoch_sums = self.epoch_sums.cpu() if first else _sums()

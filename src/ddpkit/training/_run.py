@@ -3,7 +3,7 @@
 :class:`TrainingRun` is ``TrainLoop``'s base class: ``TrainLoop`` (``loop.py``)
 holds what a user sees (arguments, the steps to override, ``fit``,
 ``evaluate``), this class what happens in between. Everything that changes
-while it trains is in one :class:`~ddpkit.training.state.RunState`.
+while it trains is in one :class:`~ddpkit.training.RunState`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ from ddpkit.checkpoint import CHECKPOINT_FILE
 from ddpkit.collectives import mp_sync
 from ddpkit.ddp_handler import DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
+from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
 from ddpkit.process_group import get_rank, get_world_size, is_distributed
-from ddpkit.training._messages import dump_worker_stacks_in_hang_reports, skipped_model_error
-from ddpkit.training.preemption import PreemptionHandler
-from ddpkit.training.state import RunState, TrainState
-from ddpkit.training.steps import GlobalBatch, TrainingEpochs, average_gradients
+from ddpkit.training._messages import skipped_model_error
+from ddpkit.training._preemption import PreemptionHandler
+from ddpkit.training._sources import epoch_source
+from ddpkit.training._state import RunState, TrainState
+from ddpkit.training._steps import GlobalBatch, TrainingEpochs, average_gradients
 
 __all__ = ["TrainingRun"]
 
@@ -77,9 +79,12 @@ class TrainingRun:
         if self.ddp_handler is None:
             self.ddp_handler = DDPHandler(self)
             self.ddp_handler.add_distributed_samplers(get_world_size(), get_rank())
-            dump_worker_stacks_in_hang_reports(self, self._original_loaders)
+            if is_distributed():  # the loaders ddpkit rebuilt (a user's own keep their worker_init_fn)
+                loaders = ((getattr(self, name), old) for name, old in self._original_loaders.items())
+                dump_worker_stacks_in_hang_reports(new for new, old in loaders if new is not None and new is not old)
             sampler = self.ddp_handler.samplers.get("train_loader")
-            self._epochs = TrainingEpochs(self.train_loader, sampler, self.global_batch, get_world_size())
+            source = epoch_source(self.train_loader, sampler)
+            self._epochs = TrainingEpochs(source, self.global_batch, get_world_size())
         if self.ddp_model is None:
             if is_distributed():
                 device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
@@ -100,9 +105,10 @@ class TrainingRun:
         position = self.state.begin_epoch()
         steps = self._epochs.begin(position, accumulation, self.seed, self.state.epoch)
         done = position // self._epochs.entries_per_round
-        count = self._epochs.batch_count()
+        source = self._epochs.source
+        count = source.batch_count()
         bar = tqdm(
-            self._epochs.batches(), total=None if count is None else done + count, initial=done, unit="batch",
+            source.training_batches(), total=None if count is None else done + count, initial=done, unit="batch",
             leave=False, desc=f"epoch {self.state.epoch + 1}/{num_epochs}",
             disable=not (self.progress and get_rank() == 0),
         )  # fmt: skip

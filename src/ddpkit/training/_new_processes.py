@@ -14,7 +14,7 @@ from ddpkit.jobs.launch import launch, scheduler_environment, start_forkserver
 from ddpkit.process_group import get_rank
 
 if TYPE_CHECKING:
-    from ddpkit.training.loop import TrainLoop
+    from ddpkit.training._loop import TrainLoop
 
 __all__ = ["fit_on_new_processes"]
 
