@@ -10,8 +10,19 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["SETTLED_FORK", "alive", "job_environment", "listening_sockets", "refused", "settle_dying_threads"]
+from ddpkit import Callback
+
+__all__ = [
+    "SETTLED_FORK",
+    "StopAfter",
+    "alive",
+    "job_environment",
+    "listening_sockets",
+    "refused",
+    "settle_dying_threads",
+]
 
 
 def alive(pid: int) -> bool:
@@ -100,3 +111,18 @@ def job_environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     return env
+
+
+class StopAfter(Callback):
+    """Interrupt training (every rank at the same point), as a crash would."""
+
+    def __init__(self, step: int | None = None, epoch: int | None = None) -> None:
+        self.step, self.epoch = step, epoch
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        if train_loop.global_step == self.step:
+            raise KeyboardInterrupt(f"stopped after step {self.step}")
+
+    def on_epoch_begin(self, train_loop: Any) -> None:
+        if train_loop.epoch == self.epoch:
+            raise KeyboardInterrupt(f"stopped at the start of epoch {self.epoch}")

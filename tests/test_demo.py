@@ -62,6 +62,18 @@ def test_training_without_a_process_group_learns_the_digits() -> None:
 def test_demo_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="batch_size=0"):
         DemoConfig(batch_size=0)
+    with pytest.raises(ValueError, match="lr_schedule='linear': use 'none' or 'cosine'"):
+        DemoConfig(lr_schedule="linear")
+    with pytest.raises(ValueError, match=r"clip=0\.0 must be > 0"):
+        DemoConfig(clip=0.0)
+
+
+def test_the_demo_with_a_cosine_schedule_bf16_and_clipping_learns_on_two_ranks() -> None:
+    """``ddpkit demo --lr-schedule cosine --precision bf16-mixed --clip 1.0``'s training, in the pool."""
+    config = DemoConfig(epochs=3, progress=False, lr_schedule="cosine", precision="bf16-mixed", clip=1.0)
+    results = run_parallel(_train, config, world_size=2, timeout=60)
+    assert results[0].val_accuracy == results[1].val_accuracy >= 0.9
+    assert results[0].train_losses[-1] < results[0].train_losses[0] / 2
 
 
 @pytest.mark.e2e

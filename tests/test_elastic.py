@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from ddpkit import Callback, TrainLoop
+from ddpkit import TrainLoop
 from ddpkit.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.examples.elastic import (
@@ -37,6 +37,7 @@ from ddpkit.jobs._agent import node_range, rdzv_configs
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout
 from ddpkit.testing import run_parallel
 from ddpkit.training._steps import GlobalBatch
+from tests.helpers import StopAfter
 
 # --- the global batch: steps and weights ---------------------------------------------------------
 
@@ -137,15 +138,6 @@ def test_a_global_batch_refuses_grad_accumulation_and_drop_last() -> None:
 # --- resuming on another number of ranks ----------------------------------------------------------
 
 
-class _StopAfter(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_batch_end(self, train_loop: Any) -> None:
-        if train_loop.global_step == self.step:
-            raise KeyboardInterrupt(f"stopped after step {self.step}")
-
-
 def _elastic_args(directory: Path, sampler: str, **more: Any) -> argparse.Namespace:
     args = parse_args(["--checkpoint-dir", str(directory / "checkpoints"), "--record", str(directory / "record"),
                        "--sampler", sampler, "--batch-size", "16", "--global-batch-size", "96",
@@ -157,7 +149,7 @@ def _elastic_args(directory: Path, sampler: str, **more: Any) -> argparse.Namesp
 def _elastic_fit(args: argparse.Namespace, stop: int | None = None) -> dict[str, torch.Tensor] | str:
     loop = elastic_train_loop(args)
     try:
-        loop.fit(args.epochs, callbacks=[RecordSteps(), *([_StopAfter(stop)] if stop else [])])
+        loop.fit(args.epochs, callbacks=[RecordSteps(), *([StopAfter(stop)] if stop else [])])
     except KeyboardInterrupt as interrupt:
         return str(interrupt)
     return {k: v.clone() for k, v in loop.model.state_dict().items()}
@@ -208,7 +200,7 @@ def _dropout_fit(directory: str, stop: int | None) -> dict[str, torch.Tensor] | 
     loop = TrainLoop(model, DataLoader(train, batch_size=32, shuffle=True), progress=False, checkpoint_dir=directory,
                      checkpoint_every=4, global_batch_size=64)  # fmt: skip
     try:
-        loop.fit(2, callbacks=[_StopAfter(stop)] if stop else None)
+        loop.fit(2, callbacks=[StopAfter(stop)] if stop else None)
     except KeyboardInterrupt as interrupt:
         return str(interrupt)
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -232,7 +224,7 @@ def _accumulating_fit(directory: str, stop: int | None) -> tuple[str, list[str]]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            loop.fit(2, callbacks=[_StopAfter(stop)] if stop else None)
+            loop.fit(2, callbacks=[StopAfter(stop)] if stop else None)
         except KeyboardInterrupt as interrupt:
             return str(interrupt), []
     return f"finished at step {loop.global_step}", [str(w.message) for w in caught if w.category is RuntimeWarning]
@@ -257,9 +249,10 @@ def test_a_checkpoint_of_ddpkit_0_1_resumes_at_its_batch(tmp_path: Path) -> None
                          checkpoint_dir=directory, checkpoint_every=5)  # fmt: skip
 
     with pytest.raises(KeyboardInterrupt):
-        loop(tmp_path / "new").fit(1, callbacks=[_StopAfter(6)])  # the checkpoint of step 5 stays
+        loop(tmp_path / "new").fit(1, callbacks=[StopAfter(6)])  # the checkpoint of step 5 stays
     state = load_checkpoint(tmp_path / "new" / CHECKPOINT_FILE)
-    assert (state.pop("version"), state["position"], state.pop("stream")) == (3, 5 * 32, None)
+    assert (state.pop("version"), state["position"], state.pop("stream")) == (4, 5 * 32, None)
+    assert (state.pop("recipe"), state.pop("skipped_steps")) == ({}, 0), "fields that version 1 lacks"
     state["batch"] = state.pop("position") // 32
     save_checkpoint({"version": 1, **state}, tmp_path / "old" / CHECKPOINT_FILE)
     new, old = loop(tmp_path / "new"), loop(tmp_path / "old")

@@ -19,6 +19,7 @@ from ddpkit.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from ddpkit.examples.digits import digits_datasets, load_digits
 from ddpkit.testing import run_parallel
 from ddpkit.training import TrainState
+from tests.helpers import StopAfter
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
 
@@ -73,22 +74,7 @@ def _evaluate_full_digits(batch_size: int, samples: int | None = None) -> dict[s
     return loop.evaluate()
 
 
-class _StopAfter(Callback):
-    """Interrupt training (every rank at the same point), as a crash would."""
-
-    def __init__(self, step: int | None = None, epoch: int | None = None) -> None:
-        self.step, self.epoch = step, epoch
-
-    def on_batch_end(self, train_loop: Any) -> None:
-        if train_loop.global_step == self.step:
-            raise KeyboardInterrupt(f"stopped after step {self.step}")
-
-    def on_epoch_begin(self, train_loop: Any) -> None:
-        if train_loop.epoch == self.epoch:
-            raise KeyboardInterrupt(f"stopped at the start of epoch {self.epoch}")
-
-
-def _resumable_run(directory: str, stop: _StopAfter | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
+def _resumable_run(directory: str, stop: StopAfter | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
     """Dropout (the global RNG), momentum (optimizer state), shuffling: all must come back exactly."""
     train, val = digits_datasets(seed=0)
     model = _model(dropout=0.3)
@@ -197,10 +183,10 @@ def test_a_rank_without_validation_samples_still_takes_part() -> None:
 
 @pytest.mark.parametrize(
     "stop",
-    [_StopAfter(step=12), _StopAfter(epoch=1)],
+    [StopAfter(step=12), StopAfter(epoch=1)],
     ids=["mid-epoch-after-step-12", "at-an-epoch-boundary"],
 )
-def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path: Path, stop: _StopAfter) -> None:
+def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path: Path, stop: StopAfter) -> None:
     uninterrupted = run_parallel(_resumable_run, str(tmp_path / "a"), None, timeout=60)
     stopped = run_parallel(_resumable_run, str(tmp_path / "b"), stop, timeout=60)
     assert stopped[0][2].startswith("stopped")
@@ -217,7 +203,7 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path: Path
     assert not all(torch.equal(stopped[0][0][k], uninterrupted[0][0][k]) for k in weights), "the stop was real"
 
 
-def _printed_run(directory: str, stop: _StopAfter | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
+def _printed_run(directory: str, stop: StopAfter | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         weights, history, _ = _resumable_run(directory, stop)
@@ -237,7 +223,7 @@ def test_a_finished_run_started_again_trains_no_further_and_says_so(tmp_path: Pa
 
 
 def test_a_resumed_run_says_where_it_resumes(tmp_path: Path) -> None:
-    run_parallel(_resumable_run, str(tmp_path), _StopAfter(step=30), timeout=60)
+    run_parallel(_resumable_run, str(tmp_path), StopAfter(step=30), timeout=60)
     resumed = run_parallel(_printed_run, str(tmp_path), None, timeout=60)
     first_line = resumed[0][2].splitlines()[0]  # epochs of 23 steps of 2 x 32; the stop came before step 30's save
     assert first_line == f"resuming from {tmp_path}: epoch 2/2, 128 entries into it, after 25 optimizer steps"

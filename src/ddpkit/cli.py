@@ -105,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument(
+        "--lr-schedule", choices=("none", "cosine"), default="none",
+        help="learning rate from --lr down to 0 along a cosine over the epochs (classification; default none)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--precision", choices=("32", "bf16-mixed", "16-mixed"), default="32",
+        help="mixed precision: autocast to bfloat16, or float16 with a gradient scaler (classification; default 32)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--clip", type=float, default=None, metavar="NORM",
+        help="clip the gradients' total norm to NORM at each optimizer step (classification)",
+    )  # fmt: skip
+    demo.add_argument(
         "--logdir",
         default=None,
         metavar="DIR",
@@ -291,7 +303,10 @@ def _classification_job(args: argparse.Namespace) -> Callable[[], str]:
     from ddpkit.examples.demo import DemoConfig, run_demo
 
     lr = 0.1 if args.lr is None else args.lr
-    config = DemoConfig(args.epochs, args.batch_size, lr, args.seed, progress=not args.no_progress, logdir=args.logdir)
+    config = DemoConfig(
+        args.epochs, args.batch_size, lr, args.seed, progress=not args.no_progress, logdir=args.logdir,
+        lr_schedule=args.lr_schedule, precision=args.precision, clip=args.clip,
+    )  # fmt: skip
 
     def job() -> str:
         result = run_demo(args.nprocs, config)

@@ -32,6 +32,9 @@ class TrainLoopView(Protocol):
     step_loss: torch.Tensor
     #: Set it (on every rank) to end training after this epoch.
     should_stop: bool
+    #: What the last optimizer step measured besides its loss, the same on every rank: ``lr`` (with a
+    #: learning-rate scheduler), ``grad_norm`` (before clipping, with gradient clipping).
+    step_metrics: dict[str, float]
 
 
 class Callback:

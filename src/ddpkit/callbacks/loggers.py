@@ -3,7 +3,9 @@
 Both write from rank 0 only, each value once: per epoch every number of
 ``TrainLoop.history`` (``train_loss``, ``validation_<metric>``) as it is there,
 and every ``log_every_n_steps`` optimizer steps the step's training loss, the
-mean over every sample of every rank in that step. The step axis is
+mean over every sample of every rank in that step (``train_loss_step``), and
+what else the step measured (``lr_step`` with a scheduler, ``grad_norm_step``
+with gradient clipping). The step axis is
 ``global_step`` (optimizer steps). A run resumed from a checkpoint first drops
 what was logged after the checkpoint's step, so a killed and restarted run has
 no epoch or step twice and none missing.
@@ -43,7 +45,8 @@ class _MetricsLogger(Callback):
         if every and train_loop.global_step % every == 0:
             total, count = sync_ddp(train_loop.step_loss.clone()).tolist()  # every rank: one small all-reduce
             if get_rank() == 0 and count:
-                self._write({"train_loss_step": total / count}, train_loop.epoch + 1, train_loop.global_step)
+                steps = {f"{name}_step": value for name, value in train_loop.step_metrics.items()}  # lr, grad_norm
+                self._write({"train_loss_step": total / count, **steps}, train_loop.epoch + 1, train_loop.global_step)
 
     @override
     def on_epoch_end(self, train_loop: TrainLoopView) -> None:

@@ -11,6 +11,7 @@ accuracy printed is the single-process number.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import CosineAnnealingLR
 from torch.utils.data import DataLoader
 
 from ddpkit.callbacks import Callback, CSVLogger, TensorBoardLogger
@@ -31,7 +33,7 @@ from ddpkit.process_group import (
     init_dist_connection,
     seed_everything,
 )
-from ddpkit.training import TrainLoop
+from ddpkit.training import Precision, TrainLoop
 
 __all__ = [
     "DemoConfig",
@@ -58,6 +60,11 @@ class DemoConfig:
         progress: show a progress bar on rank 0.
         logdir: if set, TensorBoard logs, ``metrics.csv`` and ``history.png``
             (the curves) go to this directory.
+        lr_schedule: ``"none"`` (default) or ``"cosine"``: the learning rate
+            falls from ``lr`` to 0 along a cosine over the epochs
+            (``CosineAnnealingLR``, stepped after each epoch).
+        precision: ``"32"`` (default), ``"bf16-mixed"`` or ``"16-mixed"`` (``TrainLoop``'s).
+        clip: clip the gradients' norm to this at each optimizer step (default ``None``: no clipping).
     """
 
     epochs: int = 10
@@ -66,10 +73,17 @@ class DemoConfig:
     seed: int = 0
     progress: bool = True
     logdir: str | None = None
+    lr_schedule: str = "none"
+    precision: Precision = "32"
+    clip: float | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"epochs={self.epochs} and batch_size={self.batch_size} must be >= 1 and lr={self.lr} > 0")
+        if self.lr_schedule not in ("none", "cosine"):
+            raise ValueError(f"lr_schedule={self.lr_schedule!r}: use 'none' or 'cosine'")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"clip={self.clip} must be > 0 (the largest gradient norm), or None")
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,8 @@ def digits_train_loop(config: DemoConfig, checkpoint_dir: str | Path | None = No
     train_set, val_set = digits_datasets(seed=config.seed)
     seed_everything(config.seed)
     model = build_model()
+    # A callable, so that each worker of fit_distributed builds it on its own optimizer.
+    schedule = functools.partial(CosineAnnealingLR, T_max=config.epochs) if config.lr_schedule == "cosine" else None
     return TrainLoop(
         model,
         DataLoader(train_set, batch_size=config.batch_size, shuffle=True),
@@ -117,6 +133,9 @@ def digits_train_loop(config: DemoConfig, checkpoint_dir: str | Path | None = No
         seed=config.seed,
         progress=config.progress,
         checkpoint_dir=checkpoint_dir,
+        lr_scheduler=schedule,
+        precision=config.precision,
+        gradient_clip_norm=config.clip,
     )
 
 

@@ -6,13 +6,24 @@ Its modules are private; what they hold: ``_loop`` (what a user sees of
 batches end an optimizer step), ``_sources`` (a loader's epochs, map-style or
 streamed), ``_evaluation`` (metrics equal to one process's),
 ``_new_processes`` (``fit_distributed``), ``_preemption`` (SLURM's signals),
-``_messages`` (what it prints and raises).
+``_messages`` (what it prints and raises), ``_recipe`` (learning-rate
+schedules, mixed precision, gradient clipping, compilation).
 """
 
 from __future__ import annotations
 
 from ddpkit.training._loop import TrainLoop
 from ddpkit.training._preemption import Preempted, PreemptionHandler
+from ddpkit.training._recipe import Interval, Precision, SchedulerFactory
 from ddpkit.training._state import RunState, TrainState
 
-__all__ = ["Preempted", "PreemptionHandler", "RunState", "TrainLoop", "TrainState"]
+__all__ = [
+    "Interval",
+    "Precision",
+    "Preempted",
+    "PreemptionHandler",
+    "RunState",
+    "SchedulerFactory",
+    "TrainLoop",
+    "TrainState",
+]

@@ -31,6 +31,7 @@ from ddpkit.training._evaluation import predict_in_order
 from ddpkit.training._messages import epoch_line, resume_line
 from ddpkit.training._new_processes import fit_on_new_processes
 from ddpkit.training._preemption import PreemptionHandler
+from ddpkit.training._recipe import Interval, Precision, Recipe, Scheduler, SchedulerFactory
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import RunField, RunState
 from ddpkit.training._steps import GlobalBatch
@@ -76,6 +77,45 @@ class TrainLoop(TrainingRun):
             :class:`~ddpkit.training.Preempted`; with ``requeue=True`` (default
             ``False``) rank 0 first runs ``scontrol requeue $SLURM_JOB_ID``, and
             the requeued job resumes at the exact batch.
+        lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler built on
+            ``optimizer``, or a callable ``optimizer -> scheduler`` (picklable, a
+            module-level function or ``functools.partial``, for
+            :meth:`fit_distributed`, whose workers each rebuild it on their
+            optimizer). Its state is in the checkpoints; with a
+            ``global_batch_size`` a resumed or resized run has the learning rate
+            of an uninterrupted run at every step. ``history["lr"]`` holds each
+            epoch's last learning rate, ``step_metrics["lr"]`` each step's.
+            A step that fp16's scaler skips does not step it.
+        lr_scheduler_interval: ``"epoch"`` (default, as Lightning and PyTorch's
+            examples: a scheduler written per epoch, such as ``StepLR(step_size=30)``,
+            means epochs) or ``"step"`` (after every optimizer step: warm-up,
+            ``OneCycleLR``, cosine over steps).
+        lr_scheduler_monitor: the ``history`` name ``ReduceLROnPlateau`` steps
+            on (default ``"validation_loss"``): the whole split's number, the
+            same on every rank (Lightning's ``monitor``).
+        precision: ``"32"`` (default), ``"bf16-mixed"`` or ``"16-mixed"``
+            (Lightning's names): the forward of training and evaluation under
+            ``torch.autocast`` on the model's device type (bf16 runs on CPU
+            too); fp16 scales the loss with ``torch.amp.GradScaler`` (its state
+            checkpointed) and a step with inf or nan gradients is skipped on
+            every rank and counted in ``history["skipped_steps"]``. Weights and
+            the optimizer stay float32; evaluation's predictions are gathered as float32.
+        gradient_clip_norm: clip the gradients' total 2-norm to this at each
+            optimizer step (``torch.nn.utils.clip_grad_norm_``; Lightning's
+            ``gradient_clip_val`` with the default ``"norm"`` algorithm).
+        gradient_clip_val: clip each gradient element to ``[-v, v]``
+            (``clip_grad_value_``; Lightning's ``gradient_clip_algorithm="value"``).
+            Either clip acts on the all-reduced gradient at the optimizer step
+            only (with accumulation after the last micro-batch, with fp16 after
+            unscaling), so DDP still equals one process; the norm before
+            clipping is ``step_metrics["grad_norm"]``.
+        compile: ``True`` or a dict of ``torch.compile`` arguments to compile the
+            model for training: the DDP-wrapped model is compiled, as PyTorch
+            recommends (its graph breaks at DDP's buckets). Checkpoints and
+            :class:`~ddpkit.ModelCheckpoint` files hold the plain model's
+            ``state_dict`` (no ``_orig_mod.`` prefixes); evaluation runs the
+            plain model. A backend torch lacks, or inductor on CPU without a C++
+            compiler, raises ``RuntimeError`` naming it.
 
     Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``,
     ``validation_loader``, ``test_loader``, ``device``, ``callbacks_handler``,
@@ -95,6 +135,9 @@ class TrainLoop(TrainingRun):
     step_loss = RunField[torch.Tensor]()
     #: Set by a callback (e.g. :class:`~ddpkit.EarlyStopping`, on every rank) to end ``fit`` after this epoch.
     should_stop = RunField[bool]()
+    #: What the last optimizer step measured besides its loss (same on every rank): ``lr`` with a scheduler,
+    #: ``grad_norm`` (before clipping) with clipping.
+    step_metrics = RunField[dict[str, float]]()
 
     def __init__(
         self,
@@ -113,6 +156,13 @@ class TrainLoop(TrainingRun):
         progress: bool = True,
         global_batch_size: int | None = None,
         requeue: bool = False,
+        lr_scheduler: Scheduler | SchedulerFactory | None = None,
+        lr_scheduler_interval: Interval = "epoch",
+        lr_scheduler_monitor: str = "validation_loss",
+        precision: Precision = "32",
+        gradient_clip_norm: float | None = None,
+        gradient_clip_val: float | None = None,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
@@ -131,6 +181,11 @@ class TrainLoop(TrainingRun):
         self.seed = seed
         self.progress = progress
         self.preemption = PreemptionHandler(requeue)
+        #: The schedule, precision, clipping and compilation of each step.
+        self.recipe = Recipe(
+            lr_scheduler=lr_scheduler, interval=lr_scheduler_interval, monitor=lr_scheduler_monitor,
+            precision=precision, clip_norm=gradient_clip_norm, clip_value=gradient_clip_val, compile=compile,
+        )  # fmt: skip
         self.callbacks_handler = CallbacksHandler(self)
         #: Everything that changes while it trains (``epoch``, ``global_step``, ... are its fields).
         self.state = RunState()
@@ -223,6 +278,7 @@ class TrainLoop(TrainingRun):
                 metrics = self.evaluate(self.validation_loader) if self.validation_loader is not None else {}
                 for name, value in metrics.items():
                     self.history[f"validation_{name}"].append(value)
+                self._end_epoch_recipe()
                 if get_rank() == 0:
                     tqdm.write(line := epoch_line(self.epoch, num_epochs, loss, metrics, self.step_times))
                     log.info(line)
@@ -311,5 +367,5 @@ class TrainLoop(TrainingRun):
             raise ValueError("evaluate() needs a loader: pass one or give the TrainLoop a validation_loader")
         ensure_dist_connection()
         self.model.to(self.device)
-        predictions, targets = predict_in_order(self.model, loader, self.predict_step, self.batch_to_device)
+        predictions, targets = predict_in_order(self.model, loader, self._predict, self.batch_to_device)
         return self.compute_metrics(predictions, targets)

@@ -12,6 +12,7 @@ from ddpkit.callbacks import Callback
 from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.jobs.launch import launch, scheduler_environment, start_forkserver
 from ddpkit.process_group import get_rank
+from ddpkit.training._state import RunState
 
 if TYPE_CHECKING:
     from ddpkit.training._loop import TrainLoop
@@ -30,7 +31,7 @@ def fit_on_new_processes(
     """Run ``loop.fit`` (a ``TrainLoop``'s) on ``num_processes`` new processes through :func:`~ddpkit.launch`.
 
     Every worker starts from this process's random state; afterwards ``loop``
-    holds rank 0's weights and history. Under a scheduler that started the
+    holds rank 0's weights and run state (history, steps, last step's metrics). Under a scheduler that started the
     job's processes, this process trains as one of its ranks instead.
     ``launch_options`` are :func:`~ddpkit.launch`'s.
     """
@@ -41,13 +42,13 @@ def fit_on_new_processes(
         _fit_worker, loop, num_epochs, grad_accumulation, callbacks, in_this_process, rng_state(),
         nprocs=None if in_this_process else num_processes, **launch_options,
     )  # fmt: skip
-    history: dict[str, list[float]]
-    history, weights = results[min(results)]
+    state: RunState
+    state, weights = results[min(results)]
     if weights is not None:  # this node ran rank 0
         loop.model.load_state_dict(weights)
-    loop.history = defaultdict(list, history)
-    loop.epoch = num_epochs
-    return history
+    state.history = defaultdict(list, state.history)
+    loop.state = state
+    return dict(state.history)
 
 
 def _fit_worker(
@@ -57,13 +58,13 @@ def _fit_worker(
     callbacks: list[Callback] | None,
     every_rank: bool,
     random_state: dict[str, Any],
-) -> tuple[dict[str, list[float]], dict[str, torch.Tensor] | None]:
+) -> tuple[RunState, dict[str, torch.Tensor] | None]:
     set_rng_state(random_state)  # as if fit ran in the caller: the same run every time
     if every_rank and loop.ddp_handler is not None:
         # Set up by an earlier fit in this process: start anew, as a spawned worker does with the pickled
         # loop, which comes without its sharding and DDP wrapper (TrainLoop.__getstate__).
         loop = pickle.loads(pickle.dumps(loop))
-    history = loop.fit(num_epochs, grad_accumulation, callbacks)
+    loop.fit(num_epochs, grad_accumulation, callbacks)
     send = every_rank or get_rank() == 0  # spawned workers: only rank 0's copy travels back
     weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if send else None
-    return history, weights
+    return loop.state, weights

@@ -30,6 +30,7 @@ from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
 from ddpkit.process_group import get_rank, get_world_size, is_distributed
 from ddpkit.training._messages import skipped_model_error
 from ddpkit.training._preemption import PreemptionHandler
+from ddpkit.training._recipe import Recipe
 from ddpkit.training._sources import epoch_source
 from ddpkit.training._state import RunState, TrainState
 from ddpkit.training._steps import GlobalBatch, TrainingEpochs, average_gradients
@@ -59,9 +60,11 @@ class TrainingRun:
     ddp_handler: DDPHandler | None
     ddp_model: nn.Module | None
     step_times: list[float]
+    recipe: Recipe
 
     def __init__(self) -> None:
         self._epochs: TrainingEpochs | None = None  # the training loader's epochs as steps, once set up
+        self._forward_model: nn.Module | None = None  # what training_step gets: the DDP model, maybe compiled
         self._original_loaders: dict[str, DataLoader[Any] | None] = {}
         self._forward_calls = 0
 
@@ -72,6 +75,28 @@ class TrainingRun:
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """A batch's loss (``TrainLoop``'s, or a user's override)."""
         raise NotImplementedError
+
+    def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(predictions, targets)`` of a batch (``TrainLoop``'s, or a user's override)."""
+        raise NotImplementedError
+
+    def _predict(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`predict_step` in the loop's precision; floating predictions come back as float32."""
+        with self.recipe.autocast(self.device):
+            predictions, targets = self.predict_step(model, batch)
+        if predictions.is_floating_point() and predictions.dtype != torch.float64:
+            predictions = predictions.float()
+        return predictions, targets
+
+    def _end_epoch_recipe(self) -> None:
+        """The epoch's learning rate and skipped steps into :attr:`history`, then a per-epoch scheduler's step."""
+        if self.recipe.scheduler is not None:
+            self.state.history["lr"].append(
+                self.state.step_metrics.get("lr", self.recipe.learning_rate(self.optimizer))
+            )
+        if self.recipe.scaler is not None:
+            self.state.history["skipped_steps"].append(float(self.state.skipped_steps))
+        self.recipe.after_epoch(self.state.history)
 
     def _setup(self) -> nn.Module:
         """Place the model, shard the loaders, wrap in DDP (once)."""
@@ -89,9 +114,12 @@ class TrainingRun:
             if is_distributed():
                 device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
                 self.ddp_model = self.plugin.configure_ddp(self.model, device_ids)
-                self.ddp_model.register_forward_pre_hook(self._count_forward)
             else:
                 self.ddp_model = self.model
+            self.recipe.bind(self.optimizer, self.device)
+            self._forward_model = self.recipe.compiled(self.ddp_model)
+            if self.ddp_model is not self.model:
+                self._forward_model.register_forward_pre_hook(self._count_forward)
             self.plugin.on_after_setup_optimizers(self)
         return self.ddp_model
 
@@ -102,6 +130,7 @@ class TrainingRun:
         model.train()
         synced = isinstance(model, DistributedDataParallel)
         assert self._epochs is not None
+        forward = self._forward_model if self._forward_model is not None else model
         position = self.state.begin_epoch()
         steps = self._epochs.begin(position, accumulation, self.seed, self.state.epoch)
         done = position // self._epochs.entries_per_round
@@ -122,11 +151,12 @@ class TrainingRun:
             gradient_sync = contextlib.nullcontext() if ends_step else self.plugin.block_backward_sync(model)
             with gradient_sync:
                 calls = self._forward_calls
-                loss = self.training_step(model, batch)
+                with self.recipe.autocast(self.device):
+                    loss = self.training_step(forward, batch)
                 busy += time.perf_counter() - previous  # loading and forward: before this step's all-reduce
                 if synced and ends_step and self._forward_calls == calls:
                     raise skipped_model_error(self, done + index)
-                (loss * weight / steps.divisor(index)).backward()  # type: ignore[no-untyped-call]
+                self.recipe.backward(loss * weight / steps.divisor(index))
             self.state.add_batch(float(loss.detach()), batch_length(batch) * weight)  # a stream's padding: 0 items
             if ends_step:
                 self._optimizer_step(steps.position_after(index))
@@ -141,9 +171,14 @@ class TrainingRun:
 
     def _optimizer_step(self, position: int) -> None:
         """Step, then checkpoint every ``checkpoint_every`` steps (``position``: entries of the epoch done)."""
-        self.optimizer.step()
+        lr = self.recipe.learning_rate(self.optimizer)
+        outcome = self.recipe.optimizer_step(self.optimizer, self.model.parameters())
         self.optimizer.zero_grad(set_to_none=True)
-        self.state.end_step()
+        metrics = {"lr": lr} if self.recipe.scheduler is not None else {}
+        if outcome.grad_norm is not None:
+            metrics["grad_norm"] = outcome.grad_norm
+        self.state.end_step(outcome.taken, **metrics)
+        self.recipe.after_step(outcome)
         self.callbacks_handler.execute("on_batch_end")
         if signum := self.preemption.agreed_signal():  # SLURM's warning or stop reached some rank
             self._save_checkpoint(position)
@@ -158,7 +193,7 @@ class TrainingRun:
         TrainState.capture(
             self.state, position, self._epochs, model=self.model.state_dict(),
             optimizer=self.plugin.optimizer_state(self.optimizer), callbacks=self.callbacks_handler.state_dicts(),
-            seed=self.seed,
+            seed=self.seed, recipe=self.recipe.state_dict(),
         ).write(self.checkpoint_dir / CHECKPOINT_FILE)  # fmt: skip
 
     def _resume(self) -> bool:
@@ -171,12 +206,14 @@ class TrainingRun:
         self.model.load_state_dict(saved.model)
         self.optimizer.load_state_dict(saved.optimizer)
         self.callbacks_handler.load_state_dicts(saved.callbacks)
+        self.recipe.load_state_dict(saved.recipe)
         saved.restore(self.state, self._epochs, keeps_steps=self.global_batch is not None)
         return True
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (to :meth:`fit_distributed`'s workers) without the sharding and DDP wrapper of its set-up."""
         state = {**self.__dict__, **self._original_loaders, "ddp_handler": None, "ddp_model": None, "_epochs": None}
+        state["_forward_model"] = None
         if self.ddp_handler is not None and self.ddp_handler.callback is not None:
             state["callbacks_handler"] = handler = copy.copy(self.callbacks_handler)
             handler.callbacks = [c for c in handler.callbacks if c is not self.ddp_handler.callback]

@@ -48,8 +48,15 @@ class RunState:
             the epoch so far (a resumed epoch starts from the checkpoint's
             sums of all ranks on rank 0, so its train loss is the uninterrupted one).
         step_loss: ``(2,)`` float64: the same, in the last optimizer step.
-        history: per epoch, ``train_loss`` and ``validation_<metric>``.
+        history: per epoch, ``train_loss`` and ``validation_<metric>`` (and
+            ``lr``, ``skipped_steps`` when a scheduler, fp16 are used).
         should_stop: set by a callback (on every rank) to end ``fit`` after this epoch.
+        step_metrics: what the last optimizer step measured besides its loss,
+            the same on every rank: ``lr`` (the learning rate it used, with a
+            scheduler) and ``grad_norm`` (the gradients' norm before clipping,
+            with clipping).
+        skipped_steps: optimizer steps that fp16's gradient scaler skipped (inf
+            or nan gradients) in all.
     """
 
     epoch: int = 0
@@ -59,6 +66,8 @@ class RunState:
     step_loss: torch.Tensor = field(default_factory=_sums)
     history: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     should_stop: bool = False
+    step_metrics: dict[str, float] = field(default_factory=dict)
+    skipped_steps: int = 0
     _step_start: torch.Tensor = field(default_factory=_sums, repr=False)
 
     def begin_epoch(self) -> int:
@@ -73,9 +82,12 @@ class RunState:
         """Count a batch of ``items`` items whose mean loss was ``mean_loss``."""
         self.epoch_sums += torch.tensor([mean_loss * items, items], dtype=torch.float64)
 
-    def end_step(self) -> None:
-        """Count an optimizer step; :attr:`step_loss` becomes its sums."""
+    def end_step(self, taken: bool = True, **metrics: float) -> None:
+        """Count an optimizer step (``taken``: not skipped by fp16's scaler); :attr:`step_loss` becomes its sums,
+        :attr:`step_metrics` its ``metrics``."""
         self.global_step += 1
+        self.skipped_steps += not taken
+        self.step_metrics = metrics
         self.step_loss, self._step_start = self.epoch_sums - self._step_start, self.epoch_sums.clone()
 
 
@@ -128,10 +140,14 @@ class TrainState:
         stream: for a training stream part-way through ``epoch``, the items
             every rank has taken (plain data: the stream skips them on resume);
             ``None`` otherwise. ``position`` then counts the batches all ranks took.
+        recipe: the learning-rate scheduler's and fp16 gradient scaler's
+            states (``lr_scheduler``, ``grad_scaler``), when the run has them.
+        skipped_steps: optimizer steps fp16's scaler skipped so far.
     """
 
-    #: The layout of the fields; versions 1 (ddpkit 0.1) and 2 (without ``stream``) are read too, others refused.
-    VERSION: ClassVar[int] = 3
+    #: The layout of the fields; versions 1 (ddpkit 0.1), 2 (without ``stream``) and 3 (without ``recipe``,
+    #: ``skipped_steps``) are read too, others refused.
+    VERSION: ClassVar[int] = 4
 
     model: dict[str, Any]
     optimizer: dict[str, Any]
@@ -146,14 +162,16 @@ class TrainState:
     batch: int | None = None
     callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
     stream: list[Any] | None = None
+    recipe: dict[str, Any] = field(default_factory=dict)
+    skipped_steps: int = 0
 
     @classmethod
     def capture(
         cls, run: RunState, position: int, epochs: TrainingEpochs, *, model: dict[str, Any],
-        optimizer: dict[str, Any], callbacks: dict[str, dict[str, Any]], seed: int,
+        optimizer: dict[str, Any], callbacks: dict[str, dict[str, Any]], seed: int, recipe: dict[str, Any],
     ) -> TrainState:  # fmt: skip
         """The state of ``run`` after ``position`` entries of its current epoch's global order (``epochs``: the
-        training loader's), with the given weights, optimizer state and callback states.
+        training loader's), with the given weights, optimizer, callback, scheduler and scaler states.
 
         Every rank must call it: it gathers every rank's RNG state and sums the
         epoch's partial loss (two small collectives).
@@ -165,11 +183,13 @@ class TrainState:
             model=model, optimizer=optimizer, epoch=run.epoch, position=position, epoch_sums=epoch_sums,
             global_step=run.global_step, seed=seed, world_size=get_world_size(), rng=rngs,
             history={name: list(values) for name, values in run.history.items()}, callbacks=callbacks, stream=stream,
+            recipe=recipe, skipped_steps=run.skipped_steps,
         )  # fmt: skip
 
     def restore(self, run: RunState, epochs: TrainingEpochs, *, keeps_steps: bool) -> None:
         """Put ``run`` where this state was, and this rank's random state (every rank calls it; ``epochs``: the
-        training loader's, sharded). Weights, optimizer and callbacks are the caller's to load.
+        training loader's, sharded). Weights, optimizer, callbacks, scheduler and
+        scaler are the caller's to load.
 
         On another number of ranks than wrote it, the epoch goes on with exactly
         the entries not done yet. With a fixed global batch (``keeps_steps``) the
@@ -180,6 +200,7 @@ class TrainState:
         if self.batch is not None:  # ddpkit 0.1: batches per rank
             position = self.batch * self.world_size * epochs.entries_per_batch
         run.epoch, run.resume_position, run.global_step = self.epoch, position, self.global_step
+        run.skipped_steps = self.skipped_steps
         if position:
             epochs.source.skip(self.stream)
         run.history = defaultdict(list, self.history)
