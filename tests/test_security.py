@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +22,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from ddpkit import PortTakenError, all_gather_object, destroy_dist_connection, init_dist_connection, launch
 from ddpkit._stores import release_loopback_store, serve_on_loopback
 from ddpkit.environments import LocalEnvironment
+from ddpkit.jobs._agent_log import agent_log
 from ddpkit.testing import run_parallel
 from tests.helpers import listening_sockets, refused
 
@@ -168,3 +171,24 @@ def test_a_crafted_pickle_from_another_rank_is_rejected_not_executed(tmp_path: P
     assert victim.startswith("UnpicklingError"), victim
     assert "allow_pickle=True" in victim
     assert not Path(f"{path}.rank0").exists(), "the payload ran on the rank that did not allow pickles"
+
+
+def test_the_launcher_log_is_a_new_private_file_that_a_planted_symlink_cannot_redirect(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local user who can write the temp directory plants symlinks at every name the log could have had under
+    the old predictable scheme (time and pid): the job writes none of them, only a new file of its own."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    victim = tmp_path / "victim"
+    victim.write_text("")
+    now = time.time()
+    for second in range(-2, 5):
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now + second))
+        (tmp_path / f"ddpkit-launch-{stamp}-{os.getpid()}.log").symlink_to(victim)
+    with agent_log(str(tmp_path / "failures")) as log:
+        logging.getLogger("torch.distributed.elastic").error("the agent's line")
+        log.keep = True
+    assert victim.read_text() == "", "nothing went through a planted symlink"
+    assert not log.path.is_symlink()
+    assert "the agent's line" in log.path.read_text()
+    assert log.path.stat().st_mode & 0o777 == 0o600, "only the job's user reads it"

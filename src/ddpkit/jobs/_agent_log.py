@@ -110,8 +110,11 @@ class _AgentEvents(logging.Handler):
 @contextmanager
 def agent_log(failure_dir: str) -> Iterator[AgentLog]:
     """Route torch's launcher logs to a file for the duration of one launch (see the module docstring)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path(tempfile.gettempdir()) / f"ddpkit-launch-{stamp}-{os.getpid()}.log"
+    # mkstemp: a new file of a random name (O_CREAT | O_EXCL, mode 0600), so that nobody who can write the temp
+    # directory can plant a symlink there and have the job append to a file of theirs.
+    descriptor, name = tempfile.mkstemp(prefix=f"ddpkit-launch-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log")
+    os.close(descriptor)
+    path = Path(name)
     log = AgentLog(path, failure_dir, logging.getLogger("ddpkit.launch.tracebacks"))
     file_handler = logging.FileHandler(path, delay=True, encoding="utf-8")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
