@@ -39,9 +39,11 @@ def _close_test_pools() -> Iterator[None]:
     close_pools()
 
 
-# --- tests under a real scheduler: `slurm` needs a running Slurm cluster, `mpi` an mpirun ---------
+# --- tests under a real scheduler: `slurm` needs a running Slurm cluster, `mpi` an mpirun; ------
+# --- tests in a network namespace of their own: `netns` needs `unshare -n` and `ip` ---------------
 
-#: Set (to 1) where the cluster must be there, as in CI: the slurm and mpi tests then fail instead of skipping.
+#: Set (to 1) where the cluster and namespaces must be there, as in CI: the slurm, mpi and netns tests then fail
+#: instead of skipping.
 REQUIRE_SCHEDULERS = "DDPKIT_REQUIRE_SCHEDULERS"
 
 
@@ -59,8 +61,18 @@ def _mpi_missing() -> str | None:
     return None if shutil.which("mpirun") is not None else "no mpirun on the PATH (apt-get install openmpi-bin)"
 
 
+def _netns_missing() -> str | None:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "no unshare or ip on the PATH (util-linux, iproute2)"
+    try:
+        subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"], check=True, capture_output=True, timeout=10)
+    except (subprocess.SubprocessError, OSError):
+        return "`unshare -n` cannot make a network namespace here (it needs root or user namespaces)"
+    return None
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for marker, missing in (("slurm", _slurm_missing), ("mpi", _mpi_missing)):
+    for marker, missing in (("slurm", _slurm_missing), ("mpi", _mpi_missing), ("netns", _netns_missing)):
         if item.get_closest_marker(marker) is not None and (reason := missing()) is not None:
             if os.environ.get(REQUIRE_SCHEDULERS, "0") not in ("", "0"):
                 pytest.fail(f"{REQUIRE_SCHEDULERS} is set and the {marker} test cannot run: {reason}")

@@ -1,9 +1,11 @@
-"""Nothing listens beyond loopback on a single node, and no collective unpickles without consent."""
+"""Every server listens on one address, no stranger's pickle runs (collectives, rendezvous), and a job secret
+keeps strangers from joining."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import signal
@@ -11,7 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
+import warnings
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +22,19 @@ import pytest
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from ddpkit import PortTakenError, all_gather_object, destroy_dist_connection, init_dist_connection, launch
-from ddpkit._stores import release_loopback_store, serve_on_loopback
+from ddpkit import (
+    PortTakenError,
+    RendezvousFailedError,
+    all_gather_object,
+    destroy_dist_connection,
+    init_dist_connection,
+    launch,
+)
+from ddpkit._stores import local_addresses, release_store, route_address, serve_store
 from ddpkit.environments import LocalEnvironment
+from ddpkit.jobs import _rendezvous
+from ddpkit.jobs._agent import rendezvous
+from ddpkit.jobs._agent import rendezvous_store as rendezvous_store_of_agent
 from ddpkit.jobs._agent_log import agent_log
 from ddpkit.testing import run_parallel
 from tests.helpers import listening_sockets, refused
@@ -112,26 +125,26 @@ def test_a_port_held_by_another_program_is_named_with_the_fix() -> None:
         squatter.listen()
         port = squatter.getsockname()[1]
         with pytest.raises(PortTakenError, match=f"port {port} on 127.0.0.1 is taken by another program"):
-            serve_on_loopback("127.0.0.1", port)
+            serve_store("127.0.0.1", port)
         started = time.monotonic()
         with pytest.raises(PortTakenError, match=r"taken by another program \(not a torch.distributed store\)"):
-            serve_on_loopback("127.0.0.1", port, if_taken="peer")
+            serve_store("127.0.0.1", port, if_taken="peer")
         assert time.monotonic() - started < 10, "a silent listener does not hang the probe"
 
 
 def test_a_port_held_by_a_peer_store_is_shared_when_peers_may_hold_it() -> None:
     peer = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    assert serve_on_loopback("127.0.0.1", peer.port, if_taken="peer") is None, "a second agent: a client"
-    assert serve_on_loopback("127.0.0.1", peer.port, if_taken="torch") is None
+    assert serve_store("127.0.0.1", peer.port, if_taken="peer") is None, "a second agent: a client"
+    assert serve_store("127.0.0.1", peer.port, if_taken="torch") is None
     with pytest.raises(PortTakenError, match=f"port {peer.port} on 127.0.0.1 is taken by another program"):
-        serve_on_loopback("127.0.0.1", peer.port)
-    assert serve_on_loopback("10.1.2.3", 29500) is None, "not loopback: torch's own server, for remote peers"
-    port = serve_on_loopback("localhost", 0)
+        serve_store("127.0.0.1", peer.port)
+    assert serve_store("10.1.2.3", 29500) is None, "not loopback: torch's own server, for remote peers"
+    port = serve_store("localhost", 0)
     assert port is not None
-    assert serve_on_loopback("127.0.0.1", port) == port, "a second holder within a process"
-    release_loopback_store(port)
+    assert serve_store("127.0.0.1", port) == port, "a second holder within a process"
+    release_store(port)
     assert ("127.0.0.1", port) in listening_sockets([os.getpid()]), "the first holder still needs it"
-    release_loopback_store(port)
+    release_store(port)
     gc.collect()
     assert ("127.0.0.1", port) not in listening_sockets([os.getpid()]), "the last holder stops it"
 
@@ -192,3 +205,292 @@ def test_the_launcher_log_is_a_new_private_file_that_a_planted_symlink_cannot_re
     assert not log.path.is_symlink()
     assert "the agent's line" in log.path.read_text()
     assert log.path.stat().st_mode & 0o777 == 0o600, "only the job's user reads it"
+
+
+# --- the rendezvous ----------------------------------------------------------------------------
+
+_REFUSED = r"rendezvous state in the store at 127\.0\.0\.1:\d+ \(key torch\.rendezvous\.job\) .* was refused: "
+
+
+def _rendezvous_handler(store: TCPStore, secret: bytes | None, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """torch's rendezvous handler for one node, created through torch's registry as the agent creates it."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+
+    if secret is None:
+        monkeypatch.delenv(_rendezvous.SECRET_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(_rendezvous.SECRET_VARIABLE, secret.decode())
+    _rendezvous.register()
+    monkeypatch.setattr(_rendezvous, "PEER_GRACE_S", 0.0)  # no peer agent to wait for
+    endpoint = f"127.0.0.1:{store.port}"
+    params = RendezvousParameters(_rendezvous.BACKEND, endpoint, "job", 1, 1, is_host="false", last_call_timeout=1)
+    return rendezvous_handler_registry.create_handler(params)
+
+
+def _state_holder(handler: Any) -> Any:
+    """torch's holder of the handler's state, syncing with the store at every call (no cache)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
+
+    return _BackendRendezvousStateHolder(handler._state_holder._backend, handler._settings, cache_duration=0)
+
+
+@pytest.fixture
+def rendezvous_store() -> Any:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def _write(store: TCPStore, raw: bytes) -> None:
+    import base64
+
+    store.set("torch.rendezvous.job", base64.b64encode(raw))
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret"], ids=["no secret", "secret"])
+def test_a_rendezvous_of_real_agents_passes_the_check(
+    rendezvous_store: TCPStore, secret: bytes | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handler = _rendezvous_handler(rendezvous_store, secret, monkeypatch)
+    assert handler.get_backend() == "ddpkit"
+    info = handler.next_rendezvous()  # writes the state (signed with a secret), reads it back, completes
+    assert (info.rank, info.world_size) == (0, 1)
+    stored = rendezvous_store.get("torch.rendezvous.job")
+    import base64
+
+    assert base64.b64decode(stored).startswith(b"ddpkit-hmac-sha256") == (secret is not None)
+    handler.shutdown()
+
+
+def test_a_pickle_that_would_run_code_is_refused_before_it_is_loaded(
+    rendezvous_store: TCPStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    marker = tmp_path / "ran"
+    holder = _state_holder(_rendezvous_handler(rendezvous_store, None, monkeypatch))
+    state = _RendezvousState()
+    state.closed = _Exploit(str(marker))  # type: ignore[assignment]  # inside a real state
+    for payload, named in (
+        (pickle.dumps(_Exploit(str(marker))), "tests.test_security._mark"),
+        (pickle.dumps(state), "tests.test_security._mark"),
+        (pickle.dumps(print), "builtins.print"),
+    ):
+        _write(rendezvous_store, payload)
+        with pytest.raises(_rendezvous.StateRefusedError, match=_REFUSED + f"it names {named}") as caught:
+            holder.sync()
+        assert "Nothing of it ran" in str(caught.value)
+        assert 'README section "Security"' in str(caught.value)
+    assert not list(tmp_path.glob("ran*")), "the payload ran"
+
+
+def test_1000_random_and_truncated_states_are_each_refused_with_the_clear_error(
+    rendezvous_store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random bytes, every truncation of a real state, other pickles and non-base64 text: each is refused by torch's
+    own state holder with the refusal, never another error; a real state with random bytes changed is either
+    refused or a well-formed state."""
+    import pickle
+    import random
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    holder = _state_holder(_rendezvous_handler(rendezvous_store, None, monkeypatch))
+    real = _RendezvousState()
+    real.participants = {_NodeDesc("10.0.0.1", 100, 0): 0, _NodeDesc("10.0.0.2", 200, 0): 1}
+    real.last_heartbeats = {node: datetime.now(UTC) for node in real.participants}
+    real_bytes = pickle.dumps(real)
+    generator = random.Random(1234)
+    cases = [real_bytes[:cut] for cut in range(len(real_bytes))]
+    cases += [pickle.dumps(value) for value in (0, None, {"round": 1}, [real.participants], real.participants)]
+    cases += [generator.randbytes(generator.randrange(0, 600)) for _ in range(990 - len(cases))]
+    text = [generator.choice([b"!!", b"=", b"%%%"]) + generator.randbytes(20) for _ in range(10)]
+    for raw in cases:
+        _write(rendezvous_store, raw)
+        with pytest.raises(_rendezvous.StateRefusedError, match=_REFUSED):
+            holder.sync()
+    for raw in text:  # written as they are: not base64 at all
+        rendezvous_store.set("torch.rendezvous.job", raw)
+        with pytest.raises(_rendezvous.StateRefusedError, match=_REFUSED):
+            holder.sync()
+    rendezvous_store.set("torch.rendezvous.job", b"abcde")
+    with pytest.raises(_rendezvous.StateRefusedError, match=_REFUSED + "it is not base64 text"):
+        holder.sync()
+    assert len(cases) + len(text) == 1000
+    admitted = 0
+    for _ in range(300):
+        changed = bytearray(real_bytes)
+        for _ in range(generator.randrange(1, 4)):
+            changed[generator.randrange(len(changed))] = generator.randrange(256)
+        _write(rendezvous_store, bytes(changed))
+        try:
+            holder.sync()
+        except _rendezvous.StateRefusedError:
+            continue
+        admitted += 1
+        assert type(holder.state) is _RendezvousState
+        assert type(holder.state.closed) is bool
+    assert admitted < 300, "the changes were looked at"
+
+
+def test_with_a_secret_a_forged_state_that_adds_a_node_is_refused(
+    rendezvous_store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import base64
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    handler = _rendezvous_handler(rendezvous_store, b"s3cret", monkeypatch)
+    handler.next_rendezvous()
+    holder = _state_holder(handler)
+    holder.sync()
+    signed = base64.b64decode(rendezvous_store.get("torch.rendezvous.job"))
+    head, state = signed[:51], pickle.loads(signed[51:])  # the test reads its own store
+    state.participants[_NodeDesc("10.9.9.9", 1, 0)] = 1
+    forged = pickle.dumps(state)
+    for raw, why in (
+        (head + forged, "its signature does not match this node's job secret"),
+        (forged, r"it is not signed, and this node has a job secret"),
+    ):
+        _write(rendezvous_store, raw)
+        with pytest.raises(_rendezvous.StateRefusedError, match=_REFUSED + why):
+            holder.sync()
+    monkeypatch.delenv(_rendezvous.SECRET_VARIABLE)
+    unsigned = _state_holder(_rendezvous_handler(rendezvous_store, None, monkeypatch))
+    _write(rendezvous_store, signed)
+    with pytest.raises(_rendezvous.StateRefusedError, match="it is signed with a job secret and this node has none"):
+        unsigned.sync()
+    _write(rendezvous_store, forged)
+    unsigned.sync()  # without a secret, a well-formed state is taken: the README says so
+    assert len(unsigned.state.participants) == 2
+    handler.shutdown()
+
+
+def test_a_node_told_to_host_a_rendezvous_that_is_not_its_own_says_which_addresses_it_has() -> None:
+    expected = r"host the rendezvous at 10\.1\.2\.3, but 10\.1\.2\.3 resolves to 10\.1\.2\.3; this machine's addresses"
+    with pytest.raises(RendezvousFailedError, match=expected + r" are .*127\.0\.0\.1"):
+        rendezvous_store_of_agent("10.1.2.3:29400", 2, {"is_host": "true"}).__enter__()
+    assert route_address("127.0.0.1") == "127.0.0.1"
+    assert "127.0.0.1" in local_addresses()
+    with rendezvous_store_of_agent("10.1.2.3:29400", 2, {"is_host": "false"}) as endpoint:
+        assert endpoint == "10.1.2.3:29400", "not the host: a client, nothing served"
+
+
+def test_a_multi_node_rendezvous_takes_the_schedulers_job_id_and_warns_once_without_a_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(_rendezvous.SECRET_VARIABLE, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setattr(_rendezvous, "_warned", set())
+    with pytest.warns(UserWarning, match=r"no job secret: .* at 127\.0\.0\.1:29555 \(port 29555\) .*DDPKIT_JOB_SE"):
+        assert rendezvous(2, "127.0.0.1:29555", None)[1] == "ddpkit-4711"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rendezvous(2, "127.0.0.1:29555", "mine")[1] == "mine", "once per endpoint; a given id is kept"
+        monkeypatch.setenv(_rendezvous.SECRET_VARIABLE, "s")
+        rendezvous(2, "127.0.0.1:29556", None)
+        assert rendezvous(1, None, None)[1] != rendezvous(1, None, None)[1], "one node: a fresh id"
+
+
+def test_ddpkit_run_reads_the_secret_file_and_names_one_it_cannot_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddpkit.cli import main
+
+    missing = tmp_path / "missing"
+    assert main(["run", "--secret-file", str(missing), "x.py"]) == 2
+    assert f"--secret-file {missing}: " in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert main(["run", "--secret-file", str(empty), "x.py"]) == 2
+    assert "the job secret is empty" in capsys.readouterr().err
+    secret = tmp_path / "secret"
+    secret.write_text("k3y\n")
+    try:
+        assert main(["run", "--secret-file", str(secret), str(tmp_path / "absent.py")]) == 2
+        assert _rendezvous.job_secret() == b"k3y"
+    finally:
+        _rendezvous.use_job_secret(None)
+
+
+def _in_a_namespace(mode: str, out: Path) -> dict[str, Any]:
+    subprocess.run(
+        ["unshare", "-n", sys.executable, "-m", "tests.netns_job", mode, str(out)],
+        check=True, timeout=200, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    return result
+
+
+def _readme_listeners() -> list[str]:
+    """The first cells of the README's table of what listens during a job."""
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    section = text.split("## Security", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| server")]
+    return [row.split("|")[1].strip() for row in rows if not set(row) <= set("|- ")]
+
+
+@pytest.mark.e2e
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_a_stranger_on_a_two_node_jobs_network_runs_nothing_and_the_agents_say_why(tmp_path: Path) -> None:
+    """In a namespace whose loopback carries 10.77.0.1, the rendezvous host: a two-node `ddpkit run` listens there
+    and on loopback only, every listener is one the README's table lists, and a pickle written to the rendezvous
+    state never runs: both agents stop with the refusal."""
+    result = _in_a_namespace("attack", tmp_path)
+    assert result["started"], result["logs"]
+    host, port = result["rendezvous"]
+    workers = {int(worker["RANK"]): worker for worker in result["workers"]}
+    group_store = (workers[0]["MASTER_ADDR"], int(workers[0]["MASTER_PORT"]))
+    assert group_store[0] == host, "rank 0's node advertises its address on the route to the rendezvous host"
+    listeners = result["listeners"]
+    assert [tuple(s) for s in listeners["agents"][0]] == [(host, port)], "the host's agent: the rendezvous store"
+    assert listeners["agents"][1] == [], "the other agent serves nothing"
+    roles: dict[str, list[tuple[str, int]]] = {"rendezvous store": [(host, port)], "process-group store": []}
+    roles["gloo"] = []
+    for sockets in listeners["workers"]:
+        for address, number in map(tuple, sockets):
+            roles["process-group store" if (address, number) == group_store else "gloo"].append((address, number))
+    assert roles["process-group store"] == [group_store], roles
+    assert len(roles["gloo"]) >= 2, roles
+    every = [address for found in roles.values() for address, _ in found]
+    assert set(every) <= {host, "127.0.0.1"}, f"one address per server, never every interface: {roles}"
+    named = [role.split(" (")[0].lower() for role in _readme_listeners()]
+    assert named[:3] == list(roles), "the README table lists what listens"
+    assert result["stopped"], result
+    assert result["seconds_to_stop"] < 20, result
+    assert not result["marker"], "the stranger's command ran"
+    for log, code in zip(result["logs"], result["exit_codes"], strict=True):
+        assert code == 1
+        assert f"ddpkit run: the rendezvous state in the store at {host}:{port} (key torch.rendezvous.job1)" in log
+        assert "it names posix.system, which a rendezvous state never contains. Nothing of it ran." in log
+
+
+@pytest.mark.e2e
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_a_two_node_job_over_ipv6_listens_on_the_rendezvous_address_and_loopback_only(tmp_path: Path) -> None:
+    result = _in_a_namespace("ipv6", tmp_path)
+    assert result["started"], result["logs"]
+    assert result["exit_codes"] == [0, 0], result["logs"]
+    host, port = result["rendezvous"]
+    assert [tuple(s) for s in result["listeners"]["agents"][0]] == [(host, port)]
+    assert {worker["MASTER_ADDR"] for worker in result["workers"]} == {host}
+    found = {address for sockets in result["listeners"]["workers"] for address, _ in sockets}
+    assert host in found, "rank 0's process-group store"
+    assert found <= {host, "127.0.0.1", "::1"}, found
+
+
+@pytest.mark.e2e
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_with_a_secret_a_stranger_cannot_add_a_node_to_a_two_node_job(tmp_path: Path) -> None:
+    result = _in_a_namespace("forged", tmp_path)
+    assert result["started"], result["logs"]  # signed states: the job ran
+    assert result["participants_before"] == 2
+    assert result["stopped"], result
+    for log in result["logs"]:
+        assert "no job secret" not in log
+        assert "was refused: its signature does not match this node's job secret. Nothing of it ran." in log

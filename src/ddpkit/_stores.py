@@ -1,13 +1,14 @@
-"""TCP stores that listen on the loopback interface only (private).
+"""TCP stores that listen on one address, and the addresses of this machine (private).
 
 ``torch.distributed.TCPStore`` listens on every interface of the machine, whatever
-host it is given: a single-node run would expose its rendezvous and process-group
-stores to the network. For a loopback host, ddpkit binds the listening socket to
-the loopback address itself and hands it to ``TCPStore`` (``master_listen_fd``),
-as a *multi-tenant* server: every ``TCPStore(host, port, is_master=True,
-multi_tenant=True)`` that torch creates later in this process on the same port
-(the elastic agent's c10d rendezvous, ``init_process_group``'s ``env://``) reuses
-it instead of binding all interfaces.
+host it is given: a run would expose its rendezvous and process-group stores to
+every network the machine is on. ddpkit binds the listening socket to the one
+address the job was told (loopback on a single node; on several nodes, the
+rendezvous host's address, or this node's address on its route to it) and hands
+it to ``TCPStore`` (``master_listen_fd``), as a *multi-tenant* server: every
+``TCPStore(host, port, is_master=True, multi_tenant=True)`` that torch creates
+later in this process on the same port (the elastic agent's c10d rendezvous,
+``init_process_group``'s ``env://``) reuses it instead of binding all interfaces.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import atexit
 import errno
 import ipaddress
+import itertools
 import socket
 import threading
 from datetime import timedelta
@@ -23,9 +25,9 @@ from typing import Literal
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ddpkit.environments import is_loopback
-from ddpkit.errors import PortTakenError
+from ddpkit.errors import PortTakenError, RendezvousFailedError
 
-__all__ = ["IfTaken", "release_loopback_store", "serve_on_loopback"]
+__all__ = ["IfTaken", "hosting_address", "local_addresses", "release_store", "route_address", "serve_store"]
 
 IfTaken = Literal["raise", "peer", "torch"]
 
@@ -34,18 +36,18 @@ _LOCK = threading.Lock()
 _SERVERS: dict[int, tuple[TCPStore, int]] = {}
 
 
-def serve_on_loopback(host: str, port: int, *, if_taken: IfTaken = "raise", timeout: float = 300.0) -> int | None:
-    """Host a multi-tenant store server on ``host``'s loopback address and ``port`` (0: a free port).
+def serve_store(host: str, port: int, *, if_taken: IfTaken = "raise", timeout: float = 300.0) -> int | None:
+    """Host a multi-tenant store server on ``host``'s address only, on ``port`` (0: a free port).
 
     Within a process, each call for a port already served adds a holder; the
-    server stops when every holder has called :func:`release_loopback_store`,
-    or at interpreter exit. Returns the port it listens on, or
-    ``None`` when ``host`` is not a loopback name (then torch's own server,
-    listening on every interface, is what remote peers need) or when the port is
-    held already and ``if_taken`` allows it.
+    server stops when every holder has called :func:`release_store`,
+    or at interpreter exit. Returns the port it listens on, or ``None`` when
+    ``host`` is neither a loopback name nor an IP address of this machine (a
+    host name is left to torch: the address other machines resolve it to is
+    not known here) or when the port is held already and ``if_taken`` allows it.
 
     Args:
-        host: the store's address; only loopback names are served.
+        host: the store's address: a loopback name, or an IP address of this machine.
         port: the port; 0 picks a free one.
         if_taken: when another process holds the port: ``"raise"``
             :class:`PortTakenError`; ``"peer"`` return ``None`` if a store answers
@@ -57,14 +59,15 @@ def serve_on_loopback(host: str, port: int, *, if_taken: IfTaken = "raise", time
         PortTakenError: the port is held by something this call may not share;
             the message names the port and the fix.
     """
-    if not is_loopback(host):
+    found = _address(host)
+    if found is None:
         return None
+    family, address = found
     with _LOCK:
         if port and port in _SERVERS:
             server, holders = _SERVERS[port]
             _SERVERS[port] = (server, holders + 1)
             return port
-        family, address = _loopback_address(host)
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -72,6 +75,8 @@ def serve_on_loopback(host: str, port: int, *, if_taken: IfTaken = "raise", time
             listener.listen(1024)
         except OSError as exc:
             listener.close()
+            if exc.errno == errno.EADDRNOTAVAIL and not is_loopback(host):
+                return None  # not an address of this machine: torch's client (or its error)
             if exc.errno != errno.EADDRINUSE:
                 raise
             if if_taken == "torch" or (if_taken == "peer" and _answers_as_store(address, port)):
@@ -98,7 +103,7 @@ def serve_on_loopback(host: str, port: int, *, if_taken: IfTaken = "raise", time
         return bound
 
 
-def release_loopback_store(port: int | None) -> None:
+def release_store(port: int | None) -> None:
     """Drop one holder of the server on ``port``; the last one stops hosting it (it closes once torch's own
     handles are gone too)."""
     with _LOCK:
@@ -117,13 +122,100 @@ def _release_all() -> None:
         _SERVERS.clear()
 
 
-def _loopback_address(host: str) -> tuple[socket.AddressFamily, str]:
+def _address(host: str) -> tuple[socket.AddressFamily, str] | None:
+    """The family and address to bind for ``host``: an IP address as it is, a loopback name as 127.0.0.1
+    (clients resolve ``localhost`` to it first), any other name ``None``."""
     try:
-        if ipaddress.ip_address(host).version == 6:
-            return socket.AF_INET6, host
-        return socket.AF_INET, host
-    except ValueError:  # "localhost": clients resolve it to 127.0.0.1 first
-        return socket.AF_INET, "127.0.0.1"
+        version = ipaddress.ip_address(host).version
+    except ValueError:
+        return (socket.AF_INET, "127.0.0.1") if is_loopback(host) else None
+    return (socket.AF_INET6, host) if version == 6 else (socket.AF_INET, host)
+
+
+def local_addresses() -> list[str]:
+    """This machine's IP addresses (IPv4 then IPv6), for messages; empty where they cannot be listed.
+
+    Read from ``/proc/net/fib_trie`` (every local IPv4 address, secondary ones
+    included) and ``/proc/net/if_inet6`` on Linux.
+    """
+    found: list[str] = []
+    try:
+        with open("/proc/net/fib_trie") as trie:
+            lines = trie.read().splitlines()
+        for previous, line in itertools.pairwise(lines):
+            if line.strip() == "/32 host LOCAL":
+                address = previous.strip().removeprefix("|-- ")
+                if address not in found:
+                    found.append(address)
+    except OSError:
+        pass
+    try:
+        with open("/proc/net/if_inet6") as table:
+            for row in table:
+                digits = row.split()[0]
+                found.append(str(ipaddress.IPv6Address(int(digits, 16))))
+    except (OSError, ValueError, IndexError):
+        pass
+    return found
+
+
+def route_address(host: str) -> str | None:
+    """This machine's address on its route to ``host`` (what the kernel would send from), or ``None``
+    when ``host`` does not resolve or no route leads there. No packet is sent."""
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, kind, proto, _, target in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.connect(target)  # UDP: only picks the route and source address
+            except OSError:
+                continue
+            return str(probe.getsockname()[0])
+    return None
+
+
+def hosting_address(host: str) -> str:
+    """The address of this machine that ``host`` (the rendezvous host) names, to serve its store on.
+
+    Raises:
+        RendezvousFailedError: ``host`` names none of this machine's addresses
+            (the message names the host and the addresses this machine has),
+            or only a loopback one while the name is not loopback (the other
+            nodes could not reach a store there).
+    """
+    if is_loopback(host):
+        return "127.0.0.1" if _address(host) is None else host
+    try:
+        candidates = [str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    except (OSError, UnicodeError):
+        candidates = []
+    mine = local_addresses()
+    usable = [address for address in candidates if _is_mine(address, mine)]
+    remote = [address for address in usable if not ipaddress.ip_address(address.partition("%")[0]).is_loopback]
+    if remote:
+        return remote[0]
+    what = f"resolves to {', '.join(candidates)}" if candidates else "does not resolve"
+    if usable:
+        what += ", a loopback address on this machine, where the other nodes could not reach the store"
+    raise RendezvousFailedError(
+        f"this node is to host the rendezvous at {host}, but {host} {what}; this machine's addresses are "
+        f"{', '.join(mine) or '(they could not be listed)'}. Give the rendezvous endpoint as this machine's address "
+        "on the network that reaches the other nodes, or start this node with is_host=false"
+    )
+
+
+def _is_mine(address: str, mine: list[str]) -> bool:
+    if address in mine:
+        return True
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
 
 
 def _answers_as_store(address: str, port: int, wait: float = 3.0) -> bool:

@@ -18,6 +18,7 @@ from ddpkit.environments import detect_environment
 from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
 from ddpkit.hangs._watchdog import hang_timeout
 from ddpkit.jobs._agent_log import VERBOSE_VARIABLE
+from ddpkit.jobs._rendezvous import use_job_secret
 from ddpkit.jobs.launch import check_target, launch, run_script, scheduler_environment
 
 __all__ = ["build_parser", "main"]
@@ -166,6 +167,13 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE,...",
         help="more rendezvous settings, as torchrun's (e.g. last_call_timeout=5,keep_alive_interval=2)",
     )
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="a file holding the job secret, the same on every node: rendezvous states are signed with it "
+        "(instead of DDPKIT_JOB_SECRET; see the README, 'Security')",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,7 +189,22 @@ def _fail(command: str, error: BaseException | str, status: int = 1) -> int:
     return status
 
 
+def _use_secret_file(command: str, path: str | None) -> int | None:
+    """Read ``--secret-file`` into this process's rendezvous; an exit status if it cannot be used."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as handle:
+            use_job_secret(handle.read())
+    except (OSError, ValueError) as error:
+        return _fail(command, f"--secret-file {path}: {error}", status=2)
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
+    failed = _use_secret_file("run", args.secret_file)
+    if failed is not None:
+        return failed
     if args.doctor:
         args.peer_timeout = 10.0
         return _doctor(args)
@@ -229,6 +252,9 @@ def _run(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from ddpkit.doctor import check_ranks
 
+    failed = _use_secret_file("doctor", args.secret_file)
+    if failed is not None:
+        return failed
     try:
         results = launch(
             check_ranks,

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ddpkit._stores import release_loopback_store, serve_on_loopback
+from ddpkit._stores import release_store, serve_store
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback, launched_environment
 from ddpkit.environments.base import check_resolves
 from ddpkit.errors import ClusterEnvironmentError, DDPKitError
@@ -157,10 +157,12 @@ def init_dist_connection(
         **kwargs: forwarded to ``init_process_group``, e.g. ``timeout`` (a
             ``timedelta``, or a number of seconds) or ``init_method``.
 
-    When the master address is loopback, nothing listens beyond this machine:
-    rank 0 hosts the store on the loopback address (torch's own would listen on
-    every interface), and gloo is pinned to the loopback interface unless
-    ``GLOO_SOCKET_IFNAME`` is set.
+    Rank 0 hosts the store on the master address alone when that is a loopback
+    name or an IP address of this machine (torch's own would listen on every
+    interface; a host name is left to torch, since the address the other
+    machines resolve it to is not known here). When the master address is
+    loopback, gloo is also pinned to the loopback interface unless
+    ``GLOO_SOCKET_IFNAME`` is set, so nothing listens beyond this machine.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not available in this build.
@@ -218,13 +220,13 @@ def init_dist_connection(
     global _served_port
     if rank == 0 and "init_method" not in kwargs and "store" not in kwargs:
         # Else torch's store listens on every interface. A port held already is left to torch: its
-        # own server in this process, or its error.
-        _served_port = serve_on_loopback(address, port, if_taken="torch")
+        # own server in this process, or its error; so is a host name.
+        _served_port = serve_store(address, port, if_taken="torch")
     log.info("initialising process group: rank %d of %d, backend %s, master %s:%d", rank, size, backend, address, port)
     try:
         dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)
     except BaseException:
-        release_loopback_store(_served_port)
+        release_store(_served_port)
         _served_port = None
         raise
     if deadline is not None:
@@ -293,7 +295,7 @@ def destroy_dist_connection() -> None:
     watchdog.stop_watchdog()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    release_loopback_store(_served_port)
+    release_store(_served_port)
     _served_port = None
 
 

@@ -7,8 +7,11 @@
   failure records, and afterwards the caller's environment and signal handlers
   are restored.
 * :func:`rendezvous` and :func:`rendezvous_store`: loopback and a free port by
-  default, the store bound to the loopback address (torch's would listen on
-  every interface), and a host that does not resolve refused at once.
+  default; the store bound to one address (loopback, or on several nodes the
+  rendezvous host's own address: torch's would listen on every interface); each
+  node advertises its address on its route to the rendezvous host; a host that
+  does not resolve refused at once; torch's c10d rendezvous with every state
+  checked before it is unpickled (:mod:`ddpkit.jobs._rendezvous`).
 * :func:`translated_failures`: torch's ``ChildFailedError`` and
   ``RendezvousError`` become :class:`~ddpkit.WorkerFailedError` (or
   :class:`~ddpkit.HangError`) naming the first failing rank, and
@@ -33,11 +36,12 @@ from typing import Any
 import torch
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error
-from ddpkit._stores import release_loopback_store, serve_on_loopback
+from ddpkit._stores import hosting_address, release_store, route_address, serve_store
 from ddpkit.environments import is_loopback
 from ddpkit.environments.base import check_resolves
 from ddpkit.errors import ClusterEnvironmentError, RendezvousFailedError
 from ddpkit.hangs._watchdog import TIMEOUT_VARIABLE
+from ddpkit.jobs import _rendezvous
 from ddpkit.jobs._agent_log import agent_log
 
 __all__ = [
@@ -116,7 +120,13 @@ def rdzv_configs(join_timeout: float | None, extra: Mapping[str, Any] | str | No
 
 
 def rendezvous(nnodes: int | str, rdzv_endpoint: str | None, run_id: str | None) -> tuple[str, str, str | None]:
-    """``(endpoint, run id, local address)`` for the c10d rendezvous.
+    """``(endpoint, run id, local address)`` for the rendezvous, whose backend (``"ddpkit"``) it registers.
+
+    The run id, unless given: a fresh one on a single node; on several, one
+    from the scheduler's job id where there is one, else ``"ddpkit"``. The local
+    address (what this node advertises, and where its rank 0 hosts the
+    process-group store): loopback, or this node's address on its route to
+    the rendezvous host. Several nodes without a job secret warn once.
 
     Raises:
         ValueError: several nodes without an endpoint.
@@ -131,12 +141,17 @@ def rendezvous(nnodes: int | str, rdzv_endpoint: str | None, run_id: str | None)
     # Port 0: the single agent binds a free port itself, with no window for a race.
     endpoint = rdzv_endpoint or "127.0.0.1:0"
     host = endpoint.rsplit(":", 1)[0].strip("[]")
-    local_addr = "127.0.0.1" if is_loopback(host) else None
     try:
         check_resolves(host, f"the host of rdzv_endpoint={endpoint!r}")
     except ClusterEnvironmentError as exc:
         raise RendezvousFailedError(str(exc)) from None
-    return endpoint, run_id or ("ddpkit" if several else uuid.uuid4().hex), local_addr
+    local_addr = "127.0.0.1" if is_loopback(host) else route_address(host)
+    _rendezvous.register()
+    _rendezvous.forget_refusals()
+    if several:
+        _rendezvous.warn_without_secret(endpoint)
+        run_id = run_id or _rendezvous.default_run_id() or "ddpkit"
+    return endpoint, run_id or uuid.uuid4().hex, local_addr
 
 
 @contextmanager
@@ -162,17 +177,38 @@ def agent_scope() -> Iterator[str]:
 
 
 @contextmanager
-def rendezvous_store(endpoint: str, nnodes: int | str) -> Iterator[str]:
-    """Host the rendezvous store on the loopback address when the endpoint is loopback; yield the
-    endpoint with its real port (a free one for port 0). With several nodes, another agent on this
-    machine may host it already."""
+def rendezvous_store(endpoint: str, nnodes: int | str, configs: Mapping[str, Any]) -> Iterator[str]:
+    """Host the rendezvous store on the endpoint's address alone when this node hosts it; yield the
+    endpoint with its real port (a free one for port 0).
+
+    This node hosts it when the endpoint is loopback, when ``configs`` say
+    ``is_host``, or, without ``is_host``, when the endpoint names this machine
+    (torch's rule). With several nodes, another agent on this machine may
+    host it already.
+
+    Raises:
+        RendezvousFailedError: this node is to host a rendezvous whose host is
+            none of its addresses (naming the host and the addresses it has).
+        PortTakenError: the port is held by another program.
+    """
     host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
     several = node_range(nnodes)[1] > 1
-    served = serve_on_loopback(host.strip("[]"), int(port), if_taken="peer" if several else "raise")
+    served = None
+    if is_loopback(host) or _hosts_rendezvous(host, configs):
+        served = serve_store(hosting_address(host), int(port), if_taken="peer" if several else "raise")
     try:
         yield endpoint if served is None else f"{host}:{served}"
     finally:
-        release_loopback_store(served)
+        release_store(served)
+
+
+def _hosts_rendezvous(host: str, configs: Mapping[str, Any]) -> bool:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    told = RendezvousParameters(_rendezvous.BACKEND, host, "-", 1, 1, **configs).get_as_bool("is_host")
+    return bool(told) if told is not None else _matches_machine_hostname(host)
 
 
 @contextmanager
@@ -185,7 +221,8 @@ def translated_failures(
 
     with agent_log(failure_dir) as log:
         try:
-            yield
+            with _refusal_first():
+                yield
         except ChildFailedError as err:  # torch's text repeats a worker's traceback that ours names
             _release_frames(err)
             log.write_tracebacks()
@@ -197,11 +234,30 @@ def translated_failures(
             raise _rendezvous_failed(err, endpoint, nnodes, join_timeout) from None
 
 
+@contextmanager
+def _refusal_first() -> Iterator[None]:
+    """A launch that fails after this process refused a rendezvous state reports the refusal: the agent that
+    refused first stops, and the others may see its workers or its store go before they read the state."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    try:
+        yield
+    except (ChildFailedError, RendezvousError) as err:
+        refusal = _rendezvous.last_refusal()
+        if refusal is None:
+            raise
+        _release_frames(err)
+        raise RendezvousFailedError(str(refusal)) from None
+
+
 def _rendezvous_failed(
     err: Exception, endpoint: str, nnodes: int | str, join_timeout: float | None
 ) -> RendezvousFailedError:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+    if isinstance(err, _rendezvous.StateRefusedError):
+        return RendezvousFailedError(str(err))
     if isinstance(err, RendezvousConnectionError):
         return RendezvousFailedError(
             f"this node cannot reach the rendezvous store at {endpoint}. If the job was running, the agent that "

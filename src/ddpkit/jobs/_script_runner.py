@@ -15,7 +15,7 @@ import sys
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, earliest, read_records, write_record
 from ddpkit._orphans import children_die_with_this_process, die_with_parent
-from ddpkit._stores import serve_on_loopback
+from ddpkit._stores import serve_store
 from ddpkit.hangs._watchdog import enable_flight_recorder, hang_timeout, start_watchdog
 from ddpkit.jobs._agent_log import is_verbose
 
@@ -47,15 +47,16 @@ def main() -> None:
 def run_target(target: str, args: list[str], as_module: bool = False) -> None:
     """Run ``target`` as ``python [-m] target args`` would, in this process, recording a failure first.
 
-    On rank 0 with a loopback ``MASTER_ADDR``, first host the process-group store
-    on the loopback address (``init_process_group`` in the script reuses it; torch
-    alone would listen on every interface). Unless ``DDPKIT_HANG_TIMEOUT`` is
+    On rank 0, first host the process-group store on ``MASTER_ADDR`` alone when
+    that is loopback or an IP address of this machine, as the launcher sets it
+    (``init_process_group`` in the script reuses it; torch alone would listen
+    on every interface). Unless ``DDPKIT_HANG_TIMEOUT`` is
     ``0``, torch's flight recorder is turned on and a hang watchdog attaches to
     the default process group once the script creates it.
     """
     address, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     if os.environ.get("RANK") == "0" and port.isdigit():
-        serve_on_loopback(address, int(port), if_taken="torch")
+        serve_store(address, int(port), if_taken="torch")
     if hang_timeout() is not None:  # watch the group the script creates, plain init_process_group included
         enable_flight_recorder()
         start_watchdog(wait_for_group=True)

@@ -46,6 +46,7 @@ from ddpkit.jobs._agent import (
     rendezvous_store,
     translated_failures,
 )
+from ddpkit.jobs._rendezvous import BACKEND as RENDEZVOUS_BACKEND
 from ddpkit.jobs._worker import (
     WorkerSpec,
     limit_threads,
@@ -185,13 +186,13 @@ def launch(
     if start_method == "forkserver":
         start_forkserver()
     endpoint, rdzv_id, local_addr = rendezvous(nnodes, rdzv_endpoint, run_id)
-    with agent_scope() as failure_dir, rendezvous_store(endpoint, nnodes) as endpoint:
+    with agent_scope() as failure_dir, rendezvous_store(endpoint, nnodes, configs) as endpoint:
         config = LaunchConfig(
             min_nodes=min_nodes,
             max_nodes=max_nodes,
             nproc_per_node=nprocs,
             run_id=rdzv_id,
-            rdzv_backend="c10d",
+            rdzv_backend=RENDEZVOUS_BACKEND,
             rdzv_endpoint=endpoint,
             max_restarts=max_restarts,
             monitor_interval=0.1,
@@ -298,12 +299,12 @@ def run_script(
     min_nodes, max_nodes = node_range(nnodes)
     configs = rdzv_configs(join_timeout, rdzv_conf)
     endpoint, rdzv_id, local_addr = rendezvous(nnodes, rdzv_endpoint, run_id)
-    with agent_scope() as failure_dir, rendezvous_store(endpoint, nnodes) as endpoint:
+    with agent_scope() as failure_dir, rendezvous_store(endpoint, nnodes, configs) as endpoint:
         os.environ[TIMEOUT_VARIABLE] = str(deadline or 0)  # read by every worker's watchdog
         argv = [
             f"--nnodes={min_nodes}:{max_nodes}",
             f"--nproc-per-node={nprocs}",
-            "--rdzv-backend=c10d",
+            f"--rdzv-backend={RENDEZVOUS_BACKEND}",
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={rdzv_id}",
             f"--max-restarts={max_restarts}",
