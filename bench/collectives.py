@@ -1,8 +1,9 @@
 """Benchmark ddpkit's collectives against raw torch.distributed, measured in the same run.
 
-    python bench/collectives.py [--nprocs 2] [--reps 30]
+    python bench/collectives.py [--nprocs 2] [--reps 30] [--device cpu|cuda]
 
-Runs on gloo over loopback with N CPU processes. Each repetition times ours and
+Runs on gloo over loopback with N CPU processes, or with ``--device cuda`` on
+NCCL with one process per GPU (tensors on the GPU; ``tools/gpu-check.sh``). Each repetition times ours and
 the raw baseline back to back (each after a barrier, the order alternating),
 and the verdict is the median of those paired ratios: this machine is noisy
 (tight loops of the same collective vary 3x from run to run), so only ratios
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit.process_group import collective_device, rank_device
 
 Workload = tuple[str, Callable[[], Any], Callable[[], Any], float]
 
@@ -32,26 +34,31 @@ def _raw_all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def workloads() -> list[Workload]:
+#: Targets (ratio ours / raw) per device: uneven large and small gathers, dict sync, scalar mean.
+TARGETS = {"cpu": (0.5, 1.5, 1.25, 1.15), "cuda": (0.5, 1.3, 1.25, 1.1)}
+
+
+def workloads(device: torch.device) -> list[Workload]:
     rank = dist.get_rank()
     torch.manual_seed(rank)
     big_rows = 50000 if rank == 0 else 37000
-    big = torch.randn(big_rows, 256)
-    big_padded = torch.randn(50000, 256)
-    few = torch.randn(1 if rank == 0 else 3, 256)
-    few_padded = torch.randn(3, 256)
+    big = torch.randn(big_rows, 256, device=device)
+    big_padded = torch.randn(50000, 256, device=device)
+    few = torch.randn(1 if rank == 0 else 3, 256, device=device)
+    few_padded = torch.randn(3, 256, device=device)
     n = 20000
     results = {
-        "emb": torch.randn(n, 128),
-        "labels": torch.randint(0, 1000, (n,)),
+        "emb": torch.randn(n, 128, device=device),
+        "labels": torch.randint(0, 1000, (n,), device=device),
         "paths": [f"images/class_{i % 1000:04d}/{rank}_{i:06d}.jpg" for i in range(n)],
         "scores": np.random.default_rng(rank).random(n),
     }
     raw_bytes = torch.cat(
         [results["emb"].view(torch.uint8).reshape(-1), results["labels"].view(torch.uint8),
-         torch.from_numpy(results["scores"]).view(torch.uint8)]
+         torch.from_numpy(results["scores"]).view(torch.uint8).to(device)]
     )  # fmt: skip
-    scalar = torch.tensor(float(rank))
+    scalar = torch.tensor(float(rank), device=device)
+    large, small, sync, mean = TARGETS[device.type]
 
     def raw_mean() -> torch.Tensor:  # in place, as sync_ddp (and Lightning's) reduces
         dist.all_reduce(scalar)
@@ -60,14 +67,14 @@ def workloads() -> list[Workload]:
     world = dist.get_world_size()
     return [
         ("uneven gather (50000|37000, 256) f32", lambda: ddpkit.gather_all_tensors(big),
-         lambda: _raw_all_gather(big_padded), 0.5),
+         lambda: _raw_all_gather(big_padded), large),
         ("uneven gather (1|3, 256) f32", lambda: ddpkit.gather_all_tensors(few),
-         lambda: _raw_all_gather(few_padded), 1.5),
+         lambda: _raw_all_gather(few_padded), small),
         ("dict sync emb+labels+20k paths+scores", lambda: ddpkit.sync_dicts_ddp(results, world),
-         lambda: _raw_all_gather(raw_bytes), 1.25),
+         lambda: _raw_all_gather(raw_bytes), sync),
         ("  (all_gather_object of the same dict)", lambda: _gather_object(results),
          lambda: _raw_all_gather(raw_bytes), float("nan")),
-        ("scalar mean, in place", lambda: ddpkit.sync_ddp(scalar, reduce_op="mean"), raw_mean, 1.15),
+        ("scalar mean, in place", lambda: ddpkit.sync_ddp(scalar, reduce_op="mean"), raw_mean, mean),
     ]  # fmt: skip
 
 
@@ -78,18 +85,22 @@ def _gather_object(obj: Any) -> list[Any]:
 
 
 def _time(fn: Callable[[], Any]) -> float:
-    dist.barrier()
+    device = rank_device()
+    ddpkit.barrier()
     started = time.perf_counter()
     fn()
-    elapsed = torch.tensor([time.perf_counter() - started])
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the collective's kernels are done, not only queued
+    elapsed = torch.tensor([time.perf_counter() - started], device=collective_device())
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank is the collective's time
     return float(elapsed)
 
 
-def measure(reps: int) -> list[tuple[str, float, float, float, float, float]]:
+def measure(reps: int, device_type: str = "cpu") -> list[tuple[str, float, float, float, float, float]]:
     """Per workload: median ours, median raw, median of the paired ratios, its quartiles, the target."""
     rows = []
-    for name, ours, raw, target in workloads():
+    device = rank_device() if device_type == "cuda" else torch.device("cpu")
+    for name, ours, raw, target in workloads(device):
         for _ in range(3):  # warm up both
             ours()
             raw()
@@ -112,9 +123,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
-    rows = ddpkit.launch(measure, args.reps, nprocs=args.nprocs, backend="gloo")[0]
-    print(f"{args.nprocs} gloo ranks on loopback, {args.reps} paired repetitions (each after a barrier)")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":
+        args.nprocs = min(args.nprocs, torch.cuda.device_count())  # NCCL: one rank per GPU
+    rows = ddpkit.launch(measure, args.reps, args.device, nprocs=args.nprocs, backend=backend)[0]
+    where = "on loopback" if backend == "gloo" else f"on {torch.cuda.get_device_name(0)}"
+    print(f"{args.nprocs} {backend} ranks {where}, {args.reps} paired repetitions (each after a barrier)")
     print(f"{'workload':42} {'ddpkit ms':>10} {'raw ms':>9} {'ratio':>6} {'(quartiles)':>13} {'target':>8}")
     for name, ours, raw, ratio, low, high, target in rows:
         goal = "" if target != target else f"<= {target:g}"

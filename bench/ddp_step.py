@@ -1,11 +1,12 @@
 """Steps per second of DDP driven through ``DDPPlugin`` against a hand-written DDP loop, same run.
 
-    python bench/ddp_step.py [--blocks 10] [--steps 20]
+    python bench/ddp_step.py [--blocks 10] [--steps 20] [--device cpu|cuda]
 
-A 512-1024-10 MLP, batch 256 per rank, 2 gloo ranks, SGD. The two loops train
+A 512-1024-10 MLP, batch 256 per rank, 2 gloo ranks (``--device cuda``: NCCL,
+one rank per GPU, up to 2), SGD. The two loops train
 twin models on the same data in alternating blocks of ``--steps`` steps, so the
 machine's noise hits both alike; the ratio is plugin / raw steps per second
-(target >= 0.98). Then, for each named comm hook, the bytes it all-reduces in one
+(target >= 0.98; on CUDA >= 0.99). Then, for each named comm hook, the bytes it all-reduces in one
 step of this model (counted by wrapping ``torch.distributed.all_reduce`` during
 the step), next to the plain all-reduce.
 """
@@ -26,7 +27,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_s
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpkit
+from ddpkit.batches import move_data_to_device
 from ddpkit.comm_hooks import batched_powersgd_works, bf16_supported
+from ddpkit.process_group import collective_device, rank_device
+
+#: The lowest acceptable ratio plugin / raw steps per second, per device.
+TARGETS = {"cpu": 0.98, "cuda": 0.99}
 
 
 def mlp() -> nn.Module:
@@ -55,12 +61,21 @@ def plugin_loop(plugin: ddpkit.DDPPlugin, model: nn.Module, optimizer: torch.opt
         optimizer.step()
 
 
-def measure(blocks: int, steps: int) -> dict[str, Any]:
-    data = batches(steps)
-    raw_model = DistributedDataParallel(mlp())
+def _device(device_type: str) -> torch.device:
+    return rank_device() if device_type == "cuda" else torch.device("cpu")
+
+
+def _ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+    return DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def measure(blocks: int, steps: int, device_type: str = "cpu") -> dict[str, Any]:
+    device = _device(device_type)
+    data = move_data_to_device(batches(steps), device)
+    raw_model = _ddp(mlp(), device)
     raw_optimizer = torch.optim.SGD(raw_model.parameters(), lr=0.01)
     plugin = ddpkit.DDPPlugin()
-    plugin_model = plugin.configure_ddp(mlp(), None)
+    plugin_model = plugin.configure_ddp(mlp().to(device), [device.index] if device.type == "cuda" else None)
     plugin_optimizer = torch.optim.SGD(plugin_model.parameters(), lr=0.01)
     runs: dict[str, Callable[[], None]] = {
         "raw": lambda: raw_loop(raw_model, raw_optimizer, data),
@@ -71,16 +86,18 @@ def measure(blocks: int, steps: int) -> dict[str, Any]:
     rates: dict[str, list[float]] = {"raw": [], "plugin": []}
     for block in range(blocks):
         for name in ["raw", "plugin"] if block % 2 == 0 else ["plugin", "raw"]:
-            dist.barrier()
+            ddpkit.barrier()
             started = time.perf_counter()
             runs[name]()
-            elapsed = torch.tensor([time.perf_counter() - started])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = torch.tensor([time.perf_counter() - started], device=collective_device())
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             rates[name].append(steps / float(elapsed))
-    return {"rates": rates, "bytes": hook_bytes(data)}
+    return {"rates": rates, "bytes": hook_bytes(data, device)}
 
 
-def hook_bytes(data: list[Any]) -> dict[str, int | str]:
+def hook_bytes(data: list[Any], device: torch.device) -> dict[str, int | str]:
     """Bytes all-reduced by each hook in one step, after its start iterations."""
     counts: dict[str, int | str] = {}
     hooks: list[tuple[str, Any, Any]] = [
@@ -97,7 +114,7 @@ def hook_bytes(data: list[Any]) -> dict[str, int | str]:
         if (name == "bf16" and not bf16_supported()) or (name == "batched_powersgd" and not batched_powersgd_works()):
             counts[label] = "cannot run here"
             continue
-        model = DistributedDataParallel(mlp())
+        model = _ddp(mlp(), device)
         ddpkit.register_ddp_comm_hook(model, state, name)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         raw_loop(model, optimizer, data[:3])  # past the start iterations
@@ -126,15 +143,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
-    result = ddpkit.launch(measure, args.blocks, args.steps, nprocs=2, backend="gloo")[0]
+    backend, nprocs = ("nccl", min(2, torch.cuda.device_count())) if args.device == "cuda" else ("gloo", 2)
+    result = ddpkit.launch(measure, args.blocks, args.steps, args.device, nprocs=nprocs, backend=backend)[0]
     raw, plugin = (statistics.median(result["rates"][k]) for k in ("raw", "plugin"))
     ratios = [p / r for p, r in zip(result["rates"]["plugin"], result["rates"]["raw"], strict=True)]
-    print(f"512-1024-10 MLP, batch 256 per rank, 2 gloo ranks, {args.blocks} alternating blocks of {args.steps} steps")
+    target = TARGETS[args.device]
+    print(
+        f"512-1024-10 MLP, batch 256 per rank, {nprocs} {backend} ranks, {args.blocks} alternating blocks of "
+        f"{args.steps} steps"
+    )
     print(f"raw DistributedDataParallel loop: {raw:7.2f} steps/s")
     print(f"through DDPPlugin:                {plugin:7.2f} steps/s")
     ratio = statistics.median(ratios)
-    print(f"ratio (median of paired blocks):  {ratio:7.3f}  (target >= 0.98: {'ok' if ratio >= 0.98 else 'MISSED'})")
+    verdict = "ok" if ratio >= target else "MISSED"
+    print(f"ratio (median of paired blocks):  {ratio:7.3f}  (target >= {target}: {verdict})")
     print("\nbytes all-reduced per step, per rank")
     plain = result["bytes"]["allreduce (plain)"]
     for label, sent in result["bytes"].items():
