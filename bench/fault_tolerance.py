@@ -1,6 +1,6 @@
 """What per-step fault tolerance (torchft) costs and buys, against plain DDP and today's restart path, in one run.
 
-    pip install -c constraints.txt torchft==0.2.0     # not a ddpkit dependency (yet)
+    .venv/bin/pip install -c constraints.txt -e '.[ft]'     # torchft 0.2.0
     python bench/fault_tolerance.py [--steps 300] [--rounds 3] [--step-delay 0.05]
 
 This is the baseline for ddpkit's fault tolerance on torchft, measured before
@@ -28,8 +28,10 @@ The loop here does not use torchft's own ``DistributedDataParallel``: in
 torchft 0.2.0 its comm hook fails an assertion (``assert fut._fut``, ddp.py) on
 the survivors when a peer dies under gloo, so the survivors died instead of
 going on. torchft's manager server binds every interface (``[::]``) and its
-HTTP checkpoint server does too; where ``unshare -n`` works (root) the torchft
-parts run in a network namespace of their own, so nothing listens beyond it.
+HTTP checkpoint server does too (and the replica that fetches from it unpickles
+what it gets): here the manager is bound to loopback and recovery goes through
+the process group (``PGTransport``). Where ``unshare -n`` works (root) the
+whole bench runs in a network namespace of its own besides.
 """
 
 from __future__ import annotations
@@ -99,14 +101,24 @@ def ddp_worker(rank: int, port: int, steps: int, out: str) -> None:
 
 
 def torchft_worker(replica: str, lighthouse: str, steps: int, out: str, delay: float) -> None:
-    """One replica group (one process) of a plain torchft loop; each step's time, step, commit and quorum size."""
+    """One replica group (one process) of a plain torchft loop; each step's time, step, commit and quorum size.
+
+    Its servers listen on loopback only: the replica group's store is served by ddpkit, the manager's server is
+    built with a loopback bind (torchft 0.2.0 hard-codes ``[::]``), and a recovering replica takes the
+    weights over the replicas' process group (torchft's ``PGTransport``), not its HTTP server.
+    """
     import torch
+    import torchft.manager
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    from ddpkit._stores import serve_store
 
     model, optimizer, batch, loss_of = _digits_step_parts(int(replica.removeprefix("r").split("-")[0]))
-    store_port = _free_port()
-    store = TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)  # noqa: F841 (kept alive)
+    store_port = serve_store("127.0.0.1", 0)
+    assert store_port is not None
+    store = TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)  # noqa: F841 (kept alive)
 
     def load(state: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])
@@ -115,12 +127,23 @@ def torchft_worker(replica: str, lighthouse: str, steps: int, out: str, delay: f
     def save() -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1, load_state_dict=load,
-        state_dict=save, replica_id=replica, store_addr="127.0.0.1", store_port=store_port, rank=0, world_size=1,
-        lighthouse_addr=lighthouse, hostname="127.0.0.1", timeout=timedelta(seconds=5),
-        quorum_timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=10),
-    )  # fmt: skip
+    server = torchft.manager.ManagerServer
+
+    def on_loopback(*args: Any, **kwargs: Any) -> Any:
+        return server(*args, **{**kwargs, "bind": "127.0.0.1:0"})
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    torchft.manager.ManagerServer = on_loopback  # type: ignore[misc]
+    try:
+        manager = Manager(
+            pg=pg, min_replica_size=1, load_state_dict=load, state_dict=save, replica_id=replica,
+            store_addr="127.0.0.1", store_port=store_port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+            hostname="127.0.0.1", timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=20),
+            connect_timeout=timedelta(seconds=10),
+            checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
+        )  # fmt: skip
+    finally:
+        torchft.manager.ManagerServer = server  # type: ignore[misc]
     parameters = list(model.parameters())
     with open(out, "w") as log:
         while manager.current_step() < steps:
@@ -232,7 +255,9 @@ def torchft_recovery(work: Path, delay: float) -> dict[str, Any]:
     rejoined = min(r["t"] for r in _records(again) if r["committed"] and r["participants"] == 3) - restarted_at
     kept = all({r["pid"] for r in _records(out)} == {pid} for out, pid in zip(outs[:2], pids[:2], strict=True))
     failed = sum(not r["committed"] for out in outs[:2] for r in _records(out))
-    return {"next_commit": next_commit, "rejoined": rejoined, "kept_pids": kept, "failed_steps": failed}
+    joined_at = min(r["step"] for r in _records(again) if r["committed"])  # past 1: it healed from a peer
+    return {"next_commit": next_commit, "rejoined": rejoined, "kept_pids": kept, "failed_steps": failed,
+            "joined_at": joined_at}  # fmt: skip
 
 
 def restart_recovery(work: Path, delay: float) -> dict[str, Any]:
@@ -307,7 +332,7 @@ def main() -> None:
     try:
         import torchft  # noqa: F401
     except ImportError:
-        raise SystemExit("torchft is not installed: pip install -c constraints.txt torchft==0.2.0") from None
+        raise SystemExit("torchft is not installed: pip install -c constraints.txt -e '.[ft]'") from None
     _inside_netns()
     where = "in a network namespace of its own" if os.environ.get(_NETNS) else "on this machine's network"
     with tempfile.TemporaryDirectory(prefix="ddpkit-ft-bench-") as directory:
@@ -326,7 +351,8 @@ def main() -> None:
     print(f"recovery from a SIGKILL (step delay {args.step_delay} s):")
     print(f"  torchft, 3 replicas: survivors' next commit {ft['next_commit']:6.2f} s after the kill "
           f"(same processes: {ft['kept_pids']}; steps not committed: {ft['failed_steps']}); the restarted "
-          f"replica healed from a peer and committed with all 3 {ft['rejoined']:.2f} s after its start")  # fmt: skip
+          f"replica's first commit was step {ft['joined_at']} (it healed from a peer), with all 3 "
+          f"{ft['rejoined']:.2f} s after its start")  # fmt: skip
     print(f"  restart path, ddpkit run --nnodes 1:2: next step {restart['next_step']:6.2f} s after the kill, "
           f"{restart['redone_steps']} step(s) done again (since the last checkpoint)")  # fmt: skip
 
