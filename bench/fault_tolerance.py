@@ -13,9 +13,10 @@ recovery it has to keep. Every process is a fresh one, with one thread
    ``--steps`` steps (the first 20 of each are warm-up): plain DDP (one gloo
    group, ``DistributedDataParallel``) and a plain torchft loop (2 replica
    groups of one process, a lighthouse, a quorum and a commit per step, the
-   gradients all-reduced through ``Manager.allreduce``). The ratio is torchft /
-   DDP; the fault tolerance issue's target for ddpkit's own is at most 1.05
-   against DDP.
+   gradients all-reduced through ``Manager.allreduce``), and the same loop
+   through ddpkit's ``ReplicaGroup``. Ratios: torchft / DDP, ddpkit / torchft
+   (what ddpkit adds), ddpkit / DDP (the fault tolerance issue's target: at
+   most 1.05).
 2. **Recovery**: from a SIGKILL of one process to the survivors' next
    optimizer step. torchft: 3 replicas, one killed; the survivors keep their
    processes and commit without it; the killed one is started again and heals
@@ -167,6 +168,37 @@ def torchft_worker(replica: str, lighthouse: str, steps: int, out: str, delay: f
     manager.shutdown(wait=False)
 
 
+def ddpkit_worker(replica: str, lighthouse: str, steps: int, out: str) -> None:
+    """The same loop through ddpkit's ``ReplicaGroup`` (what ``TrainLoop`` will build on)."""
+    from ddpkit.fault_tolerance import ReplicaGroup
+
+    model, optimizer, batch, loss_of = _digits_step_parts(int(replica.removeprefix("r").split("-")[0]))
+
+    def save() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    group = ReplicaGroup(lighthouse, replica, save, load, timeout=5.0, quorum_timeout=20.0)
+    with open(out, "w") as log:
+        while group.step < steps:
+            group.start_step()
+            x, y = batch()
+            optimizer.zero_grad()
+            loss_of(model(x), y).backward()
+            group.average_gradients(model.parameters())
+            committed = group.commit()
+            if committed:
+                optimizer.step()
+            record = {"t": time.time(), "step": group.step, "committed": committed,
+                      "participants": group.participants, "pid": os.getpid()}  # fmt: skip
+            log.write(json.dumps(record) + "\n")  # as the torchft loop writes it
+            log.flush()
+    group.close()
+
+
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     return subprocess.Popen([sys.executable, __file__, *args], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
@@ -200,18 +232,19 @@ def _lighthouse(replicas: int) -> Any:
 
 
 def per_step(work: Path, steps: int, rounds: int) -> dict[str, list[float]]:
-    """Median seconds per step of each round, for plain DDP and the torchft loop."""
-    seconds: dict[str, list[float]] = {"ddp": [], "torchft": []}
+    """Median seconds per step of each round, for plain DDP, the plain torchft loop and ddpkit's."""
+    kinds = ("ddp", "torchft", "ddpkit")
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(rounds):
-        for kind in ("ddp", "torchft") if round_ % 2 == 0 else ("torchft", "ddp"):
+        for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
             outs = [work / f"{kind}-{round_}-{rank}.jsonl" for rank in range(2)]
             logs = [work / f"{kind}-{round_}-{rank}.log" for rank in range(2)]
-            lighthouse = _lighthouse(2) if kind == "torchft" else None
+            lighthouse = _lighthouse(2) if kind != "ddp" else None
             if lighthouse is None:
                 port = str(_free_port())
                 args = [["--ddp-worker", str(rank), port, str(steps), str(outs[rank])] for rank in range(2)]
             else:
-                args = [["--torchft-worker", f"r{rank}-{round_}", lighthouse.address(), str(steps), str(outs[rank]),
+                args = [[f"--{kind}-worker", f"r{rank}-{round_}", lighthouse.address(), str(steps), str(outs[rank]),
                          "0"] for rank in range(2)]  # fmt: skip
             _finish([_spawn(a, log) for a, log in zip(args, logs, strict=True)], logs)
             if lighthouse is not None:
@@ -323,6 +356,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--torchft-worker":
         torchft_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], float(sys.argv[6]))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--ddpkit-worker":
+        ddpkit_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
@@ -340,14 +376,20 @@ def main() -> None:
         seconds = per_step(work, args.steps, args.rounds)
         ft = torchft_recovery(work, args.step_delay)
         restart = restart_recovery(work, args.step_delay)
-    ddp, torchft_step = (statistics.median(seconds[k]) for k in ("ddp", "torchft"))
-    ratios = [t / d for t, d in zip(seconds["torchft"], seconds["ddp"], strict=True)]
+    ddp, torchft_step, ddpkit_step = (statistics.median(seconds[k]) for k in ("ddp", "torchft", "ddpkit"))
+
+    def ratio(top: str, bottom: str) -> str:
+        ratios = [t / b for t, b in zip(seconds[top], seconds[bottom], strict=True)]
+        return f"{statistics.median(ratios):7.2f}   (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+
     print(f"torchft 0.2.0 on CPU (gloo), {where}; digits 64-128-10, batch 32 per process")
     print(f"per step, 2 processes, {args.rounds} alternating rounds of {args.steps} steps (median of rounds):")
     print(f"  plain DDP                       {ddp * 1e3:7.2f} ms")
     print(f"  plain torchft loop              {torchft_step * 1e3:7.2f} ms  ({(torchft_step - ddp) * 1e3:+.2f} ms)")
-    print(f"  ratio torchft / DDP             {statistics.median(ratios):7.2f}   (rounds: "
-          f"{', '.join(f'{r:.2f}' for r in ratios)}; ddpkit's target for its own: <= 1.05)")  # fmt: skip
+    print(f"  ddpkit ReplicaGroup loop        {ddpkit_step * 1e3:7.2f} ms  ({(ddpkit_step - ddp) * 1e3:+.2f} ms)")
+    print(f"  ratio torchft / DDP             {ratio('torchft', 'ddp')}")
+    print(f"  ratio ddpkit / torchft          {ratio('ddpkit', 'torchft')}")
+    print(f"  ratio ddpkit / DDP              {ratio('ddpkit', 'ddp')}  (the issue's target: <= 1.05)")
     print(f"recovery from a SIGKILL (step delay {args.step_delay} s):")
     print(f"  torchft, 3 replicas: survivors' next commit {ft['next_commit']:6.2f} s after the kill "
           f"(same processes: {ft['kept_pids']}; steps not committed: {ft['failed_steps']}); the restarted "

@@ -6,11 +6,15 @@ import contextlib
 import ipaddress
 import multiprocessing.context
 import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from ddpkit import Callback
 
@@ -126,3 +130,16 @@ class StopAfter(Callback):
     def on_epoch_begin(self, train_loop: Any) -> None:
         if train_loop.epoch == self.epoch:
             raise KeyboardInterrupt(f"stopped at the start of epoch {self.epoch}")
+
+
+def wait_for(condition: Any, what: str, processes: list[subprocess.Popen[bytes]], timeout: float = 120) -> None:
+    """Poll ``condition`` until it holds; on a timeout, or when one of ``processes`` failed, kill their process
+    groups and fail the test naming ``what`` it waited for."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in processes):
+            for process in processes:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"waited in vain for {what}")
+        time.sleep(0.02)

@@ -37,7 +37,7 @@ from ddpkit.jobs._agent import node_range, rdzv_configs
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout
 from ddpkit.testing import run_parallel
 from ddpkit.training._steps import GlobalBatch
-from tests.helpers import StopAfter
+from tests.helpers import StopAfter, wait_for
 
 # --- the global batch: steps and weights ---------------------------------------------------------
 
@@ -305,17 +305,6 @@ def _agent(command: list[str], log: Path) -> subprocess.Popen[bytes]:
                             start_new_session=True)  # fmt: skip
 
 
-def _wait_for(condition: Any, what: str, processes: list[subprocess.Popen[bytes]], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in processes):
-            for process in processes:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-            pytest.fail(f"waited in vain for {what}")
-        time.sleep(0.05)
-
-
 def _listening(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -358,10 +347,10 @@ def test_a_job_that_loses_a_node_mid_epoch_finishes_on_one_with_the_same_result(
     agent = [sys.executable, "-m", "ddpkit", "run", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-conf", _FAST_RDZV, "--max-restarts", "3", *example]  # fmt: skip
     first = _agent([*agent, "--out", str(tmp_path / "weights.pt")], tmp_path / "first.log")
-    _wait_for(lambda: _listening(port), "the first agent's rendezvous store", [first])  # it hosts the store
+    wait_for(lambda: _listening(port), "the first agent's rendezvous store", [first])  # it hosts the store
     second = _agent(agent, tmp_path / "second.log")
     record = tmp_path / "record"
-    _wait_for(lambda: _steps_of(record, 1, 2) >= 10, "step 10 of epoch 2 on two ranks", [first, second])
+    wait_for(lambda: _steps_of(record, 1, 2) >= 10, "step 10 of epoch 2 on two ranks", [first, second])
     os.killpg(second.pid, signal.SIGKILL)  # the agent and its worker
     killed = time.time()
     _finish(first, tmp_path / "first.log")
@@ -388,7 +377,7 @@ def test_a_job_that_gains_a_node_mid_epoch_goes_on_on_two_with_the_same_result(t
     first = _agent([*common, "--out", str(tmp_path / "weights.pt")], tmp_path / "first.log")
     record = tmp_path / "record"
     # 22 steps of 0.6 s on one rank: the second agent, started after the first, joins well inside epoch 1
-    _wait_for(lambda: _steps_of(record, 0, 1) >= 1, "the first step on one rank", [first])
+    wait_for(lambda: _steps_of(record, 0, 1) >= 1, "the first step on one rank", [first])
     joined = time.time()
     second = _agent(common, tmp_path / "second.log")
     _finish(first, tmp_path / "first.log")

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit._gradients import reduce_gradients
 from ddpkit.process_group import get_world_size, is_distributed
 from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout, epoch_seed
 from ddpkit.training._sources import EpochSource
@@ -229,18 +230,13 @@ def average_gradients(parameters: Iterable[nn.Parameter]) -> None:
     """
     if not is_distributed():
         return
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for parameter in parameters:
-        if parameter.requires_grad:
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            groups.setdefault((parameter.grad.device, parameter.grad.dtype), []).append(parameter.grad)
     world_size = get_world_size()
-    for grads in groups.values():
-        flat = torch.cat([grad.reshape(-1) for grad in grads]).div_(world_size)
-        dist.all_reduce(flat)
-        for grad, part in zip(grads, torch.split(flat, [grad.numel() for grad in grads]), strict=True):
-            grad.copy_(part.view_as(grad))
+
+    def mean(flat: torch.Tensor) -> bool:
+        dist.all_reduce(flat.div_(world_size))
+        return True
+
+    reduce_gradients(parameters, mean)
 
 
 class TrainingEpochs:

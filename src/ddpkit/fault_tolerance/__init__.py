@@ -1,0 +1,22 @@
+"""Per-step fault tolerance on torchft: replica groups that lose a member and go on without a restart.
+
+torchft (``pip install 'ddpkit[ft]'``) runs a quorum every optimizer step:
+the replica groups heartbeat a lighthouse, a step that failed anywhere is
+committed nowhere, the healthy groups go on with the next quorum in the same
+processes, and a group that comes back takes the weights live from a healthy
+peer. ddpkit starts torchft's servers on one address each, as it does its own
+stores (loopback for one machine; the address that reaches the others on
+several), and moves a recovering group's state over the groups' process group
+rather than over an HTTP server that the fetching side would unpickle from.
+
+- :func:`serve_lighthouse`: torchft's lighthouse, listening on one address.
+- :class:`ReplicaGroup`: one replica group (today: one process) in the job:
+  the step's quorum, the gradients averaged over its participants, the commit.
+
+``TrainLoop`` and ``ddpkit run`` do not use these yet.
+"""
+
+from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
+from ddpkit.fault_tolerance._replica import ReplicaGroup
+
+__all__ = ["Lighthouse", "ReplicaGroup", "serve_lighthouse"]

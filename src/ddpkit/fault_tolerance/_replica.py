@@ -1,0 +1,154 @@
+"""One replica group of a fault-tolerant job: torchft's ``Manager``, its servers on one address."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit._gradients import reduce_gradients
+from ddpkit._stores import release_store, route_address, serve_store
+from ddpkit.environments.base import is_loopback
+from ddpkit.errors import RendezvousFailedError
+from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
+
+#: torchft's manager builds its server inside ``Manager.__init__`` with ``[::]`` (every interface) as the
+#: bind address; ddpkit swaps the class it builds for one call. The lock keeps two constructions apart.
+_CONSTRUCTION = threading.Lock()
+
+
+class ReplicaGroup:
+    """This process as one replica group of a fault-tolerant job (torchft's ``Manager``, with ``rank=0`` and
+    ``world_size=1``: one process per group for now).
+
+    Every optimizer step, in this order: :meth:`start_step` (asks for the step's quorum; it is formed while
+    the forward and backward run), :meth:`average_gradients` after ``backward()``, then :meth:`commit`, and
+    ``optimizer.step()`` only when it returns ``True``. A step that failed in any group (a lost peer, a
+    timeout) is committed in none; the groups that are left go on with the next quorum in the same
+    processes. A group that joins late or comes back takes ``state_dict()`` from a healthy peer through
+    ``load_state_dict`` before its first step counts.
+
+    Its servers listen on one address: its store and torchft's manager server on 127.0.0.1 when the
+    lighthouse is on loopback, else on this machine's address on its route to the lighthouse. A recovering
+    group receives the state over the groups' process group (torchft's ``PGTransport``), from the groups of
+    the quorum only.
+
+    Args:
+        lighthouse: the lighthouse's address, ``http://HOST:PORT`` (:attr:`Lighthouse.address`).
+        replica_id: this group's name in the quorum; a group started again keeps its name.
+        state_dict: what a recovering peer takes from this group (model, optimizer, loop state).
+        load_state_dict: puts a healthy peer's ``state_dict()`` into this group.
+        min_replicas: the fewest groups a step may commit with (default 1).
+        timeout: seconds a collective or a recovery may take before the step fails (default 30).
+        quorum_timeout: seconds to wait for a quorum (default 60).
+
+    Raises:
+        ImportError: torchft is not installed (the message says how to install it).
+        RendezvousFailedError: no route from this machine to the lighthouse's host.
+    """
+
+    def __init__(
+        self, lighthouse: str, replica_id: str, state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None], *, min_replicas: int = 1, timeout: float = 30.0,
+        quorum_timeout: float = 60.0,
+    ) -> None:  # fmt: skip
+        torchft = torchft_module()
+        transports = torchft_module("torchft.checkpointing.pg_transport")
+        managers = torchft_module("torchft.manager")
+        local = _local_address(lighthouse)
+        self._store_port = serve_store(local, 0)
+        assert self._store_port is not None, f"{local} is this machine's own address"
+        self._group = torchft.ProcessGroupGloo(timeout=timedelta(seconds=timeout))
+        transport = transports.PGTransport(self._group, timeout=timedelta(seconds=timeout), device=torch.device("cpu"))
+        try:
+            with _manager_server_on(managers, local):
+                self._manager = torchft.Manager(
+                    pg=self._group, min_replica_size=min_replicas, load_state_dict=load_state_dict,
+                    state_dict=state_dict, replica_id=replica_id, store_addr=local, store_port=self._store_port,
+                    rank=0, world_size=1, lighthouse_addr=lighthouse, hostname=local,
+                    timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
+                    connect_timeout=timedelta(seconds=timeout), checkpoint_transport=transport,
+                )  # fmt: skip
+        except BaseException:
+            release_store(self._store_port)
+            raise
+
+    @property
+    def step(self) -> int:
+        """Steps committed so far (a recovering group takes its peers' count)."""
+        return int(self._manager.current_step())
+
+    @property
+    def participants(self) -> int:
+        """Replica groups in the current step's quorum (waits for the quorum)."""
+        return int(self._manager.num_participants())
+
+    @property
+    def participant_index(self) -> int | None:
+        """This group's index among the quorum's participants, ``None`` while it is recovering."""
+        rank = self._manager.participating_rank()
+        return None if rank is None else int(rank)
+
+    def start_step(self) -> None:
+        """Ask for this step's quorum (before the forward pass)."""
+        self._manager.start_quorum()
+
+    def average_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
+        """Average the gradients of ``parameters`` over the quorum's groups: one all-reduce per device and dtype.
+
+        A parameter without a gradient counts as zero (and gets one). After a failure in this step the
+        gradients are left as they are and :meth:`commit` returns ``False``.
+        """
+
+        def mean(flat: torch.Tensor) -> bool:
+            self._manager.allreduce(flat).wait()  # the mean over the participants
+            return self._manager.errored() is None
+
+        reduce_gradients(parameters, mean)
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum finished this step: then (only then) take the optimizer step.
+        Every group of the quorum calls it."""
+        return bool(self._manager.should_commit())
+
+    def close(self) -> None:
+        """Leave the job: stop the manager's server and the store."""
+        self._manager.shutdown(wait=False)
+        release_store(self._store_port)
+        self._store_port = None
+
+
+def _local_address(lighthouse: str) -> str:
+    """Where this group's servers listen: loopback with a lighthouse on loopback, else the route's address."""
+    host = url_host(lighthouse)
+    if is_loopback(host):
+        return "127.0.0.1"
+    address = route_address(host)
+    if address is None:
+        raise RendezvousFailedError(
+            f"no route from this machine to the lighthouse at {lighthouse}: check its address and the network"
+        )
+    return address
+
+
+@contextmanager
+def _manager_server_on(managers: Any, address: str) -> Iterator[None]:
+    """Within the block, torchft's ``Manager`` builds its server bound to ``address`` (on the port it chose:
+    ``TORCHFT_MANAGER_PORT``, else a free one)."""
+    original = managers.ManagerServer
+
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        port = str(kwargs.get("bind", ":0")).rpartition(":")[2] or "0"
+        return original(*args, **{**kwargs, "bind": f"{bracketed(address)}:{port}"})
+
+    with _CONSTRUCTION:
+        managers.ManagerServer = bound
+        try:
+            yield
+        finally:
+            managers.ManagerServer = original
