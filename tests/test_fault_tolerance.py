@@ -93,3 +93,41 @@ def test_a_killed_replica_costs_the_others_a_step_not_a_restart_and_comes_back_w
     weights = [torch.load(f"{out}.pt") for out in (*outs[:2], again)]
     for other in weights[1:]:
         assert max(float((weights[0][k] - other[k]).abs().max()) for k in other) < 1e-6
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_a_stopped_replica_is_dropped_from_the_quorum_and_takes_the_weights_back_when_it_resumes(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP one of three groups after 30 steps: the other two commit without it within the gloo timeout
+    (5 s) and a heartbeat (1 s); after SIGCONT it rejoins, takes the state from a peer and finishes with the
+    same weights as the others."""
+    outs = [tmp_path / f"r{i}" for i in range(3)]
+    with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
+        processes = [_spawn(f"r{i}", lighthouse.address, out) for i, out in enumerate(outs)]
+        wait_for(lambda: sum(r["committed"] for r in _records(outs[2])) >= 30, "30 steps", processes, timeout=90)
+        os.killpg(processes[2].pid, signal.SIGSTOP)
+        stopped = time.time()
+
+        def without_it() -> bool:
+            return any(r["t"] > stopped and r["committed"] and r["participants"] == 2 for r in _records(outs[0]))
+
+        wait_for(without_it, "a step committed by the two others", processes[:2], timeout=30)
+        dropped_after = time.time() - stopped
+        time.sleep(1.0)
+        os.killpg(processes[2].pid, signal.SIGCONT)
+        for process, out in zip(processes, outs, strict=True):
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+            assert process.returncode == 0, Path(f"{out}.log").read_text()[-3000:]
+
+    print(f"the two others committed without the stopped group {dropped_after:.1f} s after the stop")
+    assert dropped_after < 8.0, f"the others went on {dropped_after:.1f} s after the stop"
+    resumed = [r for r in _records(outs[2]) if r["t"] > stopped]
+    assert any(r["committed"] and r["participants"] == 3 for r in resumed), "it never rejoined the quorum"
+    weights = [torch.load(f"{out}.pt") for out in outs]
+    for other in weights[1:]:
+        assert max(float((weights[0][k] - other[k]).abs().max()) for k in other) < 1e-6
