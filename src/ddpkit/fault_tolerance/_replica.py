@@ -95,14 +95,15 @@ class ReplicaGroup:
         return None if rank is None else int(rank)
 
     def start_step(self) -> None:
-        """Ask for this step's quorum (before the forward pass)."""
+        """Ask for this step's quorum (before the forward pass); every group calls it at each step."""
         self._manager.start_quorum()
 
     def average_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
         """Average the gradients of ``parameters`` over the quorum's groups: one all-reduce per device and dtype.
 
         A parameter without a gradient counts as zero (and gets one). After a failure in this step the
-        gradients are left as they are and :meth:`commit` returns ``False``.
+        gradients are left as they are and :meth:`commit` returns ``False``. Every group of the quorum
+        calls it, after ``backward()``.
         """
 
         def mean(flat: torch.Tensor) -> bool:
