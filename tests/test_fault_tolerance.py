@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ddpkit.errors import RendezvousFailedError
-from ddpkit.fault_tolerance import serve_lighthouse
+from ddpkit.fault_tolerance import TorchFT, serve_lighthouse
 from ddpkit.fault_tolerance._torchft import torchft_module, url_host
 from tests.helpers import listening_sockets, refused, wait_for
 
@@ -39,6 +39,65 @@ def test_lighthouse_addresses_are_read_with_ipv6_brackets() -> None:
 def test_a_lighthouse_on_an_address_that_is_not_this_machines_names_the_addresses_it_has() -> None:
     with pytest.raises(RendezvousFailedError, match=r"192\.0\.2\.1.*this machine's addresses are"):
         serve_lighthouse("192.0.2.1")  # TEST-NET-1: never this machine's
+
+
+def _digits_loop(**kwargs: Any) -> Any:
+    from torch.utils.data import DataLoader
+
+    from ddpkit import TrainLoop
+    from ddpkit.examples.demo import build_model
+    from ddpkit.examples.digits import digits_datasets
+
+    train_set, _ = digits_datasets(seed=0)
+    loader = kwargs.pop("loader", None) or DataLoader(train_set, batch_size=16)
+    return TrainLoop(build_model(), loader, progress=False, **kwargs)
+
+
+def test_fault_tolerance_settings_come_from_torchfts_variables_and_missing_ones_are_named() -> None:
+    settings = TorchFT(min_replicas=2).resolved({"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9", "REPLICA_GROUP_ID": "g1"})
+    assert (settings.lighthouse, settings.replica_id, settings.min_replicas) == ("http://127.0.0.1:9", "g1", 2)
+    assert TorchFT("http://h:1", "mine").resolved({"REPLICA_GROUP_ID": "other"}).replica_id == "mine"
+    with pytest.raises(ValueError, match=r"replica_id \(or \$REPLICA_GROUP_ID\)") as missing:
+        TorchFT().resolved({"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9"})
+    assert "lighthouse" not in str(missing.value).split("needs")[1].split(":")[0]
+    with pytest.raises(ValueError, match=r"lighthouse \(or \$TORCHFT_LIGHTHOUSE\) and replica_id"):
+        TorchFT().resolved({})
+    for bad in ({"min_replicas": 0}, {"min_replicas": True}, {"timeout": 0}, {"quorum_timeout": float("inf")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TorchFT(**bad)  # type: ignore[arg-type]
+
+
+def test_a_trainloop_with_fault_tolerance_needs_a_global_batch_and_its_own_process_per_group() -> None:
+    with pytest.raises(ValueError, match="fault_tolerance needs global_batch_size"):
+        _digits_loop(fault_tolerance="torchft")
+    with pytest.raises(ValueError, match=r"fault_tolerance='ft': use None, 'torchft'"):
+        _digits_loop(fault_tolerance="ft", global_batch_size=64)
+    loop = _digits_loop(fault_tolerance="torchft", global_batch_size=64)
+    assert loop.fault_tolerance == TorchFT()
+    with pytest.raises(ValueError, match="each replica group is a process of its own"):
+        loop.fit_distributed(1)
+
+
+def test_a_fault_tolerant_trainloop_refuses_a_batch_sampler_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.data import DataLoader
+
+    from ddpkit.examples.digits import digits_datasets
+
+    class Pairs:  # a batch sampler of the user's own: batches of 2 items, then 3
+        def __iter__(self) -> Any:
+            return iter([[0, 1], [2, 3, 4]])
+
+        def __len__(self) -> int:
+            return 2
+
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:9")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "r0")
+    train_set, _ = digits_datasets(seed=0)
+    batches = Pairs()
+    loop = _digits_loop(loader=DataLoader(train_set, batch_sampler=batches), fault_tolerance="torchft",
+                        global_batch_size=64)  # fmt: skip
+    with pytest.raises(ValueError, match="has a batch sampler: build it with batch_size="):
+        loop.fit(1)
 
 
 def _spawn(replica: str, lighthouse: str, out: Path) -> subprocess.Popen[bytes]:
@@ -131,3 +190,148 @@ def test_a_stopped_replica_is_dropped_from_the_quorum_and_takes_the_weights_back
     weights = [torch.load(f"{out}.pt") for out in outs]
     for other in weights[1:]:
         assert max(float((weights[0][k] - other[k]).abs().max()) for k in other) < 1e-6
+
+
+# --- TrainLoop(fault_tolerance=...): the step plan survives a change of quorum ----------------------------
+
+
+def _spawn_loop(
+    replica: str, lighthouse: str, out: Path, kill_at: int = 0, delay: float = 0.15, *extra: str
+) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "tests.ft_trainloop", replica, lighthouse, str(out), str(kill_at), str(delay),
+               *extra]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    return subprocess.Popen(command, stdout=open(f"{out}.log", "wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # fmt: skip
+
+
+def _finish(processes: list[subprocess.Popen[bytes]], outs: list[Path]) -> None:
+    for process, out in zip(processes, outs, strict=True):
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        assert process.returncode == 0, Path(f"{out}.log").read_text()[-3000:]
+
+
+def _steps(outs: list[Path]) -> list[dict[str, Any]]:
+    return [r for out in outs for r in _records(out) if "step" in r]
+
+
+def _check_every_item_once_per_epoch_and_the_weights_of_one_process(
+    outs: list[Path], finals: list[Path], count: bool = True
+) -> None:
+    """Every training item in exactly one committed step per epoch (counted from what each group trained
+    on), and every group's final weights within 1e-5 of one process trained on the same global batches."""
+    from collections import Counter
+
+    from tests.ft_trainloop import EPOCHS, build_loop
+
+    reference = build_loop(None)
+    history = reference.fit(EPOCHS)
+    items = len(reference.train_loader.dataset)
+    steps = _steps(outs)
+    for epoch in range(EPOCHS if count else 0):
+        counted = Counter(i for r in steps if r["epoch"] == epoch for i in r["items"])
+        assert sorted(counted) == list(range(items)), f"epoch {epoch}: {items - len(counted)} items never used"
+        assert set(counted.values()) == {1}, f"epoch {epoch}: items used twice: {counted.most_common(3)}"
+    expected = reference.model.state_dict()
+    for final in finals:
+        weights = torch.load(f"{final}.pt")
+        gap = max(float((weights[k] - expected[k]).abs().max()) for k in expected)
+        assert gap < 1e-5, f"{final.name}: {gap:.2e} from the run that lost nothing"
+        kept = json.loads(Path(f"{final}.json").read_text())
+        assert kept["train_loss"] == pytest.approx(history["train_loss"], rel=1e-5)
+        assert kept["validation_accuracy"] == pytest.approx(history["validation_accuracy"], abs=1e-9)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_trainloop_replica_killed_mid_epoch_costs_a_step_and_the_run_ends_as_one_that_lost_nothing(
+    tmp_path: Path,
+) -> None:
+    """Three TrainLoop replica groups (global batch 64); one SIGKILLs itself inside step 30 (the middle of
+    epoch 2). The two others keep their processes, redo that step between them and commit within 2 s; the
+    killed one, started again, takes the state from a peer and trains again in a quorum of three. Every
+    item is in exactly one committed step per epoch, and the weights equal one process's (< 1e-5)."""
+    outs = [tmp_path / f"r{i}" for i in range(3)]
+    again = tmp_path / "r2-again"
+    with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
+        processes = [_spawn_loop(f"r{i}", lighthouse.address, out, 30 if i == 2 else 0) for i, out in enumerate(outs)]
+        wait_for(lambda: processes[2].poll() is not None, "the replica group to kill itself", processes[:2], 120)
+        assert processes[2].returncode == -signal.SIGKILL, Path(f"{outs[2]}.log").read_text()[-3000:]
+        killed = next(r["kill"] for r in _records(outs[2]) if "kill" in r)
+        processes[2] = _spawn_loop("r2", lighthouse.address, again)
+        _finish(processes, [*outs[:2], again])
+
+    for out, process in zip(outs[:2], processes[:2], strict=True):
+        records = _steps([out])
+        assert {r["pid"] for r in records} == {process.pid}, "a survivor was restarted"
+        first = next(r for r in records if r["t"] > killed)
+        print(f"{out.name} committed step {first['step']} {first['t'] - killed:.2f} s after the kill")
+        assert first["t"] - killed < 2.0, f"next commit {first['t'] - killed:.2f} s after the kill"
+        assert (first["step"], first["groups"]) == (30, 2), "the lost step was not redone by the two others"
+        log = Path(f"{out}.log").read_text()
+        assert "r2 left the quorum" in log, log[-3000:]
+        assert "step 31 was not committed" in log, log[-3000:]
+    back = _steps([again])
+    assert back[0]["step"] > 30, "the restarted group started over instead of taking its peers' state"
+    assert any(r["groups"] == 3 and r["items"] for r in back), "the restarted group never trained again"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process([*outs, again], [*outs[:2], again])
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_hung_trainloop_replica_is_dropped_named_and_rejoins_and_the_run_ends_as_one_that_lost_nothing(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP one of three TrainLoop replica groups after 20 steps: the two others go on without it (its
+    step fails at the collectives' 5 s timeout at most) and their logs name it; after SIGCONT it rejoins and
+    takes the state from a peer. Every item is in one committed step per epoch; the weights equal one
+    process's (< 1e-5) in all three."""
+    outs = [tmp_path / f"r{i}" for i in range(3)]
+    with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
+        processes = [_spawn_loop(f"r{i}", lighthouse.address, out) for i, out in enumerate(outs)]
+        wait_for(lambda: len(_steps([outs[2]])) >= 20, "20 steps", processes, timeout=120)
+        os.killpg(processes[2].pid, signal.SIGSTOP)
+        stopped = time.time()
+
+        def without_it() -> bool:
+            return any(r["t"] > stopped and r["groups"] == 2 for r in _steps([outs[0]]))
+
+        wait_for(without_it, "a step committed by the two others", processes[:2], timeout=30)
+        dropped_after = time.time() - stopped
+        time.sleep(1.0)
+        os.killpg(processes[2].pid, signal.SIGCONT)
+        _finish(processes, outs)
+
+    print(f"the two others committed without the stopped group {dropped_after:.1f} s after the stop")
+    assert dropped_after < 8.0, f"the others went on {dropped_after:.1f} s after the stop"
+    for out in outs[:2]:
+        assert "r2 left the quorum" in Path(f"{out}.log").read_text(), "the hung group was not named"
+    resumed = [r for r in _steps([outs[2]]) if r["t"] > stopped]
+    assert any(r["groups"] == 3 and r["items"] for r in resumed), "it never trained in the quorum again"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_fault_tolerant_job_whose_every_group_died_resumes_from_trainloops_checkpoint(tmp_path: Path) -> None:
+    """TrainLoop's own checkpoints still restart a whole job: three groups checkpoint every 7 steps (one
+    writes); all three die inside step 31; started again on the same checkpoint_dir they resume at step 28,
+    part-way through epoch 2, and end with the weights of one process that never stopped (< 1e-5)."""
+    outs = [tmp_path / f"r{i}" for i in range(3)]
+    checkpoints = tmp_path / "checkpoints"
+    with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
+        processes = [_spawn_loop(f"r{i}", lighthouse.address, out, 30, 0.0, str(checkpoints)) for i, out in
+                     enumerate(outs)]  # fmt: skip
+        for process, out in zip(processes, outs, strict=True):
+            process.wait(timeout=120)
+            assert process.returncode == -signal.SIGKILL, Path(f"{out}.log").read_text()[-3000:]
+        again = [tmp_path / f"r{i}-again" for i in range(3)]
+        processes = [_spawn_loop(f"r{i}", lighthouse.address, out, 0, 0.0, str(checkpoints)) for i, out in
+                     enumerate(again)]  # fmt: skip
+        _finish(processes, again)
+    assert "resuming from" in Path(f"{again[0]}.log").read_text()
+    assert min(r["step"] for r in _steps(again)) == 28, "not resumed from the checkpoint after step 28"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(again, again, count=False)

@@ -13,10 +13,11 @@ rather than over an HTTP server that the fetching side would unpickle from.
 - :class:`ReplicaGroup`: one replica group (today: one process) in the job:
   the step's quorum, the gradients averaged over its participants, the commit.
 
-``TrainLoop`` and ``ddpkit run`` do not use these yet.
+- :class:`TorchFT`: the settings of ``TrainLoop(fault_tolerance=...)``, which trains as one replica group.
 """
 
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
 from ddpkit.fault_tolerance._replica import ReplicaGroup
+from ddpkit.fault_tolerance._settings import TorchFT, torchft_settings
 
-__all__ = ["Lighthouse", "ReplicaGroup", "serve_lighthouse"]
+__all__ = ["Lighthouse", "ReplicaGroup", "TorchFT", "serve_lighthouse", "torchft_settings"]

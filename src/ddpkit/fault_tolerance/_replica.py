@@ -65,8 +65,10 @@ class ReplicaGroup:
         assert self._store_port is not None, f"{local} is this machine's own address"
         self._group = torchft.ProcessGroupGloo(timeout=timedelta(seconds=timeout))
         transport = transports.PGTransport(self._group, timeout=timedelta(seconds=timeout), device=torch.device("cpu"))
+        #: The replica ids of the last quorum, as this group's client received them.
+        self._quorum_ids: list[str] = []
         try:
-            with _manager_server_on(managers, local):
+            with _manager_server_on(managers, local), _client_recording(managers, self._quorum_ids):
                 self._manager = torchft.Manager(
                     pg=self._group, min_replica_size=min_replicas, load_state_dict=load_state_dict,
                     state_dict=state_dict, replica_id=replica_id, store_addr=local, store_port=self._store_port,
@@ -94,6 +96,13 @@ class ReplicaGroup:
         rank = self._manager.participating_rank()
         return None if rank is None else int(rank)
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The replica ids of the current step's quorum, recovering groups included, sorted (waits for the
+        quorum)."""
+        self._manager.wait_quorum()
+        return tuple(sorted(self._quorum_ids))
+
     def start_step(self) -> None:
         """Ask for this step's quorum (before the forward pass); every group calls it at each step."""
         self._manager.start_quorum()
@@ -111,6 +120,13 @@ class ReplicaGroup:
             return self._manager.errored() is None
 
         reduce_gradients(parameters, mean)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> bool:
+        """Sum the floating-point ``tensor`` in place over the quorum's groups (a recovering group adds zeros);
+        whether it was summed (``False`` after a failure in this step: ``tensor`` is then not to be used).
+        Every group of the quorum calls it."""
+        self._manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        return self._manager.errored() is None
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step: then (only then) take the optimizer step.
@@ -153,3 +169,38 @@ def _manager_server_on(managers: Any, address: str) -> Iterator[None]:
             yield
         finally:
             managers.ManagerServer = original
+
+
+class _RecordingClient:
+    """torchft's ``ManagerClient``, keeping the replica ids of each quorum it receives (torchft's manager keeps
+    them to itself) in ``ids``, without the ``:uuid`` torchft appends."""
+
+    def __init__(self, client: Any, ids: list[str]) -> None:
+        self._client, self._ids = client, ids
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self._ids[:] = [name.rpartition(":")[0] or name for name in quorum.replica_ids]
+        return quorum
+
+    def _checkpoint_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        return self._client._checkpoint_metadata(*args, **kwargs)
+
+    def should_commit(self, *args: Any, **kwargs: Any) -> Any:
+        return self._client.should_commit(*args, **kwargs)
+
+
+@contextmanager
+def _client_recording(managers: Any, ids: list[str]) -> Iterator[None]:
+    """Within the block (under :data:`_CONSTRUCTION`), torchft's ``Manager`` gets a client that records the
+    quorums' replica ids into ``ids``."""
+    original = managers.ManagerClient
+
+    def recording(*args: Any, **kwargs: Any) -> _RecordingClient:
+        return _RecordingClient(original(*args, **kwargs), ids)
+
+    managers.ManagerClient = recording
+    try:
+        yield
+    finally:
+        managers.ManagerClient = original

@@ -24,10 +24,12 @@ from ddpkit.batches import move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
+from ddpkit.fault_tolerance import TorchFT, torchft_settings
 from ddpkit.jobs.launch import StartMethod
 from ddpkit.plotting import plot_history
-from ddpkit.process_group import ensure_dist_connection, get_rank, rank_device
+from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, rank_device
 from ddpkit.training._evaluation import predict_in_order
+from ddpkit.training._fault_tolerant import FaultTolerantFit
 from ddpkit.training._messages import epoch_line, resume_line
 from ddpkit.training._new_processes import fit_on_new_processes
 from ddpkit.training._preemption import PreemptionHandler
@@ -116,6 +118,23 @@ class TrainLoop(TrainingRun):
             ``state_dict`` (no ``_orig_mod.`` prefixes); evaluation runs the
             plain model. A backend torch lacks, or inductor on CPU without a C++
             compiler, raises ``RuntimeError`` naming it.
+        fault_tolerance: ``None`` (default), ``"torchft"`` or a
+            :class:`~ddpkit.fault_tolerance.TorchFT`: this process trains as one
+            replica group of a job on torchft (``pip install 'ddpkit[ft]'``;
+            ``"torchft"`` reads the lighthouse from ``$TORCHFT_LIGHTHOUSE`` and
+            the group's id from ``$REPLICA_GROUP_ID``). Each optimizer step is a
+            quorum of the groups alive: a group that dies or hangs costs the
+            others that step (not committed anywhere, done again with the same
+            items), not a restart, and a group started again takes the weights,
+            optimizer, scheduler, scaler, callbacks and position live from a
+            peer. Needs ``global_batch_size``: step ``s`` holds the same items
+            of the epoch's global order whatever the number of groups (dealt
+            over that step's groups in batches of the training loader's batch
+            size, loaded in this process: DataLoader workers are not used), so
+            the weights are those of a run that lost nothing, up to rounding.
+            Each group evaluates the whole validation split itself (exact, the
+            same in every group); checkpoints are written by one group. One
+            process per replica group: run it without a process group.
 
     Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``,
     ``validation_loader``, ``test_loader``, ``device``, ``callbacks_handler``,
@@ -136,7 +155,8 @@ class TrainLoop(TrainingRun):
     #: Set by a callback (e.g. :class:`~ddpkit.EarlyStopping`, on every rank) to end ``fit`` after this epoch.
     should_stop = RunField[bool]()
     #: What the last optimizer step measured besides its loss (same on every rank): ``lr`` with a scheduler,
-    #: ``grad_norm`` (before clipping) with clipping.
+    #: ``grad_norm`` (before clipping) with clipping, ``replica_groups`` (the groups whose items it averaged) with
+    #: fault tolerance.
     step_metrics = RunField[dict[str, float]]()
 
     def __init__(
@@ -163,10 +183,18 @@ class TrainLoop(TrainingRun):
         gradient_clip_norm: float | None = None,
         gradient_clip_val: float | None = None,
         compile: bool | dict[str, Any] = False,
+        fault_tolerance: str | TorchFT | None = None,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
         super().__init__()
+        #: The torchft settings this process trains as one replica group with (``None``: plain DDP).
+        self.fault_tolerance = torchft_settings(fault_tolerance)
+        if self.fault_tolerance is not None and global_batch_size is None:
+            raise ValueError(
+                "fault_tolerance needs global_batch_size (items per optimizer step over all replica groups): each "
+                "step's items are dealt over the groups of that step's quorum, whose number changes"
+            )
         self.global_batch = GlobalBatch(global_batch_size) if global_batch_size is not None else None
         self.model = model
         self.train_loader = train_loader
@@ -265,6 +293,8 @@ class TrainLoop(TrainingRun):
             self.global_batch.check_no_accumulation(grad_accumulation)
         ensure_dist_connection()  # under torchrun, srun, mpirun...: one job, not N copies
         self.callbacks_handler.register_callbacks(callbacks)
+        if self.fault_tolerance is not None:
+            return self._fit_as_replica_group(num_epochs)
         model = self._setup()
         if self._resume() and get_rank() == 0:
             tqdm.write(line := resume_line(self, num_epochs))
@@ -286,6 +316,29 @@ class TrainLoop(TrainingRun):
                 self.epoch += 1
                 if self.checkpoint_dir is not None:
                     self._save_checkpoint(position=0)
+        self.callbacks_handler.execute("on_train_end")
+        return dict(self.history)
+
+    def _fit_as_replica_group(self, num_epochs: int) -> dict[str, list[float]]:
+        """:meth:`fit` as one replica group of a fault-tolerant job (``fault_tolerance``)."""
+        assert self.fault_tolerance is not None
+        assert self.global_batch is not None
+        if get_world_size() > 1:
+            raise ValueError(
+                f"fault_tolerance trains one process per replica group; this process is rank {get_rank()} of a "
+                f"process group of {get_world_size()}: start each replica group as its own process (with its own "
+                "REPLICA_GROUP_ID), without torchrun's or ddpkit run's --nproc-per-node above 1"
+            )
+        self._setup()
+        assert self._epochs is not None
+        dealer = self._epochs.source.deal_every_item("fault_tolerance")
+        run = FaultTolerantFit(self, self.fault_tolerance, self.global_batch.size, dealer)
+        if self._resume():
+            run.position = self.state.begin_epoch()
+            tqdm.write(line := resume_line(self, num_epochs))
+            log.info(line)
+        self.callbacks_handler.execute("on_train_begin")
+        run.fit(num_epochs)
         self.callbacks_handler.execute("on_train_end")
         return dict(self.history)
 
@@ -334,9 +387,15 @@ class TrainLoop(TrainingRun):
                 first step about 2 s sooner here.
 
         Raises:
+            ValueError: the loop has ``fault_tolerance`` (each replica group is started as a process of its own).
             HangError: the job hung (after ``max_restarts`` restarts).
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """
+        if self.fault_tolerance is not None:
+            raise ValueError(
+                "fit_distributed starts one job of num_processes ranks; with fault_tolerance each replica group is a "
+                "process of its own: start each (python train.py with its REPLICA_GROUP_ID) and call fit()"
+            )
         return fit_on_new_processes(
             self, num_epochs, num_processes, grad_accumulation, callbacks, backend=backend, max_restarts=max_restarts,
             timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,

@@ -26,6 +26,7 @@ from ddpkit.checkpoint import CHECKPOINT_FILE
 from ddpkit.collectives import mp_sync
 from ddpkit.ddp_handler import DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
+from ddpkit.fault_tolerance import TorchFT
 from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
 from ddpkit.process_group import get_rank, get_world_size, is_distributed
 from ddpkit.training._messages import skipped_model_error
@@ -61,6 +62,7 @@ class TrainingRun:
     ddp_model: nn.Module | None
     step_times: list[float]
     recipe: Recipe
+    fault_tolerance: TorchFT | None
 
     def __init__(self) -> None:
         self._epochs: TrainingEpochs | None = None  # the training loader's epochs as steps, once set up
@@ -78,6 +80,10 @@ class TrainingRun:
 
     def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(predictions, targets)`` of a batch (``TrainLoop``'s, or a user's override)."""
+        raise NotImplementedError
+
+    def evaluate(self, loader: DataLoader[Any] | None = None) -> dict[str, float]:
+        """Metrics of ``loader`` on every sample once (``TrainLoop``'s)."""
         raise NotImplementedError
 
     def _predict(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +115,9 @@ class TrainingRun:
                 dump_worker_stacks_in_hang_reports(new for new, old in loaders if new is not None and new is not old)
             sampler = self.ddp_handler.samplers.get("train_loader")
             source = epoch_source(self.train_loader, sampler)
-            self._epochs = TrainingEpochs(source, self.global_batch, get_world_size())
+            # With fault tolerance the global batch is dealt per step over the quorum, not by the sampler.
+            steps = self.global_batch if self.fault_tolerance is None else None
+            self._epochs = TrainingEpochs(source, steps, get_world_size())
         if self.ddp_model is None:
             if is_distributed():
                 device_ids = [self.device.index or 0] if self.device.type == "cuda" else None

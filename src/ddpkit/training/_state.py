@@ -57,6 +57,8 @@ class RunState:
             with clipping).
         skipped_steps: optimizer steps that fp16's gradient scaler skipped (inf
             or nan gradients) in all.
+        failed_steps: with fault tolerance, steps this replica group did that
+            were not committed (a group was lost during them) and were done again.
     """
 
     epoch: int = 0
@@ -68,6 +70,7 @@ class RunState:
     should_stop: bool = False
     step_metrics: dict[str, float] = field(default_factory=dict)
     skipped_steps: int = 0
+    failed_steps: int = 0
     _step_start: torch.Tensor = field(default_factory=_sums, repr=False)
 
     def begin_epoch(self) -> int:
@@ -89,6 +92,13 @@ class RunState:
         self.skipped_steps += not taken
         self.step_metrics = metrics
         self.step_loss, self._step_start = self.epoch_sums - self._step_start, self.epoch_sums.clone()
+
+    def count_step(self, sums: torch.Tensor, taken: bool = True, **metrics: float) -> None:
+        """Count an optimizer step whose loss sums over every replica group were ``sums`` (``(2,)`` float64, as
+        :attr:`step_loss`), as :meth:`end_step`."""
+        self._step_start = self.epoch_sums.clone()
+        self.epoch_sums = self.epoch_sums + sums
+        self.end_step(taken, **metrics)
 
 
 class HasRunState(Protocol):

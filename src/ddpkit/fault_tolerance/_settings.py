@@ -1,0 +1,108 @@
+"""Where a replica group finds its job: the lighthouse, its own id, the quorum's size and timeouts."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ddpkit.fault_tolerance._replica import ReplicaGroup
+
+#: torchft's own variables: the lighthouse's address, and this replica group's id (its examples' name).
+LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
+REPLICA_ID_VARIABLE = "REPLICA_GROUP_ID"
+
+
+@dataclass(frozen=True)
+class TorchFT:
+    """Per-step fault tolerance on torchft for ``TrainLoop(fault_tolerance=TorchFT(...))``
+    (``fault_tolerance="torchft"`` is ``TorchFT()``: everything from the environment).
+
+    Args:
+        lighthouse: the lighthouse's address, ``http://HOST:PORT`` (:func:`serve_lighthouse`); default
+            ``$TORCHFT_LIGHTHOUSE`` (torchft's variable).
+        replica_id: this replica group's name in the quorum, kept when it is started again; default
+            ``$REPLICA_GROUP_ID`` (the name in torchft's examples).
+        min_replicas: the fewest replica groups a step may commit with (default 1).
+        timeout: seconds a step's collectives or a recovery may take before the step fails in every group
+            (default 30): a group that hangs longer is dropped from the next quorum.
+        quorum_timeout: seconds to wait for a quorum (default 60).
+
+    Raises:
+        ValueError: ``min_replicas`` below 1 or a timeout that is not a positive number.
+    """
+
+    lighthouse: str | None = None
+    replica_id: str | None = None
+    min_replicas: int = 1
+    timeout: float = 30.0
+    quorum_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
+            raise ValueError(f"min_replicas={self.min_replicas!r} must be an integer >= 1 (replica groups)")
+        for name in ("timeout", "quorum_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < math.inf):
+                raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+
+    def resolved(self, environ: Mapping[str, str] | None = None) -> TorchFT:
+        """These settings with the lighthouse and replica id taken from ``environ`` (default ``os.environ``)
+        where not given.
+
+        Raises:
+            ValueError: either is given nowhere (the message names the argument and the variable).
+        """
+        environ = os.environ if environ is None else environ
+        lighthouse = self.lighthouse or environ.get(LIGHTHOUSE_VARIABLE) or None
+        replica_id = self.replica_id or environ.get(REPLICA_ID_VARIABLE) or None
+        missing = [
+            f"{argument} (or ${variable})"
+            for argument, variable, value in (
+                ("lighthouse", LIGHTHOUSE_VARIABLE, lighthouse),
+                ("replica_id", REPLICA_ID_VARIABLE, replica_id),
+            )
+            if value is None
+        ]
+        if missing:
+            raise ValueError(
+                f"fault tolerance on torchft needs {' and '.join(missing)}: pass "
+                "fault_tolerance=TorchFT(lighthouse='http://HOST:PORT', replica_id='r0'), or set the variables "
+                "(ddpkit.fault_tolerance.serve_lighthouse starts a lighthouse)"
+            )
+        return replace(self, lighthouse=lighthouse, replica_id=replica_id)
+
+    def join(
+        self, state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None]
+    ) -> ReplicaGroup:
+        """This process as a replica group of the job (:class:`ReplicaGroup`), with :meth:`resolved` settings.
+
+        Raises:
+            ValueError: no lighthouse or replica id (:meth:`resolved`).
+            ImportError: torchft is not installed.
+        """
+        settings = self.resolved()
+        assert settings.lighthouse is not None
+        assert settings.replica_id is not None
+        return ReplicaGroup(
+            settings.lighthouse, settings.replica_id, state_dict, load_state_dict, min_replicas=settings.min_replicas,
+            timeout=settings.timeout, quorum_timeout=settings.quorum_timeout,
+        )  # fmt: skip
+
+
+def torchft_settings(value: str | TorchFT | None) -> TorchFT | None:
+    """``TrainLoop``'s ``fault_tolerance`` argument as settings (``"torchft"``: :class:`TorchFT` defaults).
+
+    Raises:
+        ValueError: another string, or another type.
+    """
+    if value is None or isinstance(value, TorchFT):
+        return value
+    if value == "torchft":
+        return TorchFT()
+    raise ValueError(
+        f"fault_tolerance={value!r}: use None, 'torchft' (settings from $TORCHFT_LIGHTHOUSE and $REPLICA_GROUP_ID) "
+        "or ddpkit.fault_tolerance.TorchFT(...)"
+    )

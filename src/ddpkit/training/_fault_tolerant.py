@@ -1,0 +1,199 @@
+"""A ``TrainLoop`` run as one replica group of a fault-tolerant job (``TrainLoop(fault_tolerance=...)``).
+
+Every optimizer step is one torchft quorum (:class:`~ddpkit.fault_tolerance.ReplicaGroup`). The step
+holds entries ``[position, position + G)`` of the epoch's global order (``G``: the global batch; the
+epoch's last step what is left), whatever the quorum: participant ``i`` of ``P`` takes positions
+``position + i``, ``position + i + P``, ... (as the distributed sampler deals positions over ranks) in
+micro-batches of the training loader's batch size, each batch's loss (a mean over its items) weighted by
+``items * P / step items``. The gradients averaged over the participants are then the mean over the step's
+items, as one process with a batch of ``G`` items computes them, on any number of replica groups.
+
+A step that is not committed (a group was lost during it) changes nothing and is done again, with the same
+items, by the next quorum: every item is used once per epoch in the committed steps. Everything the run
+needs to go on (weights, optimizer, scheduler, scaler, callbacks, epoch, position, loss sums, history,
+random state) is the state a recovering group takes from a healthy peer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
+
+from ddpkit.checkpoint import rng_state, set_rng_state
+from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
+from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
+from ddpkit.training._messages import epoch_line
+
+if TYPE_CHECKING:
+    from ddpkit.training._run import TrainingRun
+
+__all__ = ["FaultTolerantFit"]
+
+log = logging.getLogger(__name__)
+
+
+class FaultTolerantFit:
+    """``fit`` of ``run`` (a set-up ``TrainLoop`` in a process without a process group) as one replica group.
+
+    Raises:
+        ValueError: the training loader has no fixed batch size (a batch sampler), or no global order (a stream).
+    """
+
+    def __init__(self, run: TrainingRun, settings: TorchFT, global_batch_size: int, dealer: DistributedSamplerWrapper
+                 ) -> None:  # fmt: skip
+        self.run, self.settings, self.size, self.dealer = run, settings, global_batch_size, dealer
+        loader = run.train_loader
+        if loader.batch_size is None:
+            raise ValueError(
+                "fault_tolerance deals each step's items over the replica groups in batches of the training "
+                "loader's batch_size; this loader has a batch sampler: build it with batch_size=..."
+            )
+        self.batch_size = int(loader.batch_size)
+        self.dataset, self.collate = loader.dataset, loader.collate_fn
+        #: Entries of the current epoch's global order done in committed steps.
+        self.position = run.state.begin_epoch()
+        self._orders: dict[int, torch.Tensor] = {}
+        self._members: tuple[str, ...] = ()
+        self._writer = False  # whether this group was participant 0 of the last committed step
+
+    # --- the state a recovering group takes --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a recovering peer takes from this group (read by torchft while this group waits for the quorum)."""
+        run, state = self.run, self.run.state
+        return {
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "recipe": run.recipe.state_dict(), "callbacks": run.callbacks_handler.state_dicts(),
+            "loop": {
+                "epoch": state.epoch, "position": self.position, "global_step": state.global_step,
+                "epoch_sums": state.epoch_sums.clone(), "history": {k: list(v) for k, v in state.history.items()},
+                "skipped_steps": state.skipped_steps, "failed_steps": state.failed_steps,
+                "should_stop": state.should_stop,
+            },
+            "rng": rng_state(),
+        }  # fmt: skip
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Take a healthy peer's :meth:`state_dict` (torchft calls it at the commit of this group's first step)."""
+        run, state, loop = self.run, self.run.state, saved["loop"]
+        run.model.load_state_dict(saved["model"])
+        run.optimizer.load_state_dict(saved["optimizer"])
+        run.recipe.load_state_dict(saved["recipe"])
+        run.callbacks_handler.load_state_dicts(saved["callbacks"])
+        state.epoch, state.global_step, state.should_stop = loop["epoch"], loop["global_step"], loop["should_stop"]
+        state.skipped_steps, state.failed_steps = loop["skipped_steps"], loop["failed_steps"]
+        state.epoch_sums = loop["epoch_sums"].double().cpu()
+        state.history = defaultdict(list, loop["history"])
+        self.position = int(loop["position"])
+        set_rng_state(saved["rng"])
+
+    # --- the run ----------------------------------------------------------------------------------
+
+    def fit(self, num_epochs: int) -> None:
+        """Train until ``num_epochs`` epochs are done (or a callback stops it), step by step with the quorum."""
+        group = self.settings.join(self.state_dict, self.load_state_dict)
+        self.run.callbacks_handler.execute("on_epoch_begin")
+        try:
+            while self.run.state.epoch < num_epochs and not self.run.state.should_stop:
+                if self.position >= len(self._order(self.run.state.epoch)):
+                    self._end_epoch(num_epochs)
+                else:
+                    self._step(group)
+        finally:
+            group.close()
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s global order (dataset indices), the same in every group."""
+        if epoch not in self._orders:
+            self._orders = {}  # one epoch at a time
+            self.dealer.set_epoch(epoch)
+            self._orders[epoch] = torch.as_tensor(list(self.dealer), dtype=torch.int64)
+        return self._orders[epoch]
+
+    def _step(self, group: ReplicaGroup) -> None:
+        run, state = self.run, self.run.state
+        group.start_step()
+        participants, index = group.participants, group.participant_index
+        self._note_members(group.members, state.global_step)
+        epoch, low = state.epoch, self.position
+        step = self._order(epoch)[low : low + self.size]
+        sums = torch.zeros(2, dtype=torch.float64)
+        run.optimizer.zero_grad(set_to_none=True)
+        model = run.model
+        model.train()
+        if index is not None:
+            forward = run._forward_model if run._forward_model is not None else model
+            for number, chunk in enumerate(torch.split(step[index::participants], self.batch_size)):
+                torch.manual_seed(epoch_seed(run.seed, epoch, low + index + participants * number * self.batch_size))
+                batch = run.batch_to_device(self.collate([self.dataset[int(i)] for i in chunk]))
+                with run.recipe.autocast(run.device):
+                    loss = run.training_step(forward, batch)
+                run.recipe.backward(loss * (len(chunk) * participants / len(step)))
+                sums += torch.tensor([float(loss.detach()) * len(chunk), len(chunk)], dtype=torch.float64)
+        group.average_gradients(model.parameters())
+        group.all_reduce_sum(sums)
+        if not group.commit():
+            run.optimizer.zero_grad(set_to_none=True)
+            state.failed_steps += 1
+            log.warning(
+                "replica group %s: step %d was not committed (replica groups %s); the next quorum does it again",
+                self.settings.replica_id, state.global_step + 1, ", ".join(self._members),
+            )  # fmt: skip
+            return
+        # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
+        done = min(self.size, len(self._order(state.epoch)) - self.position)
+        lr = run.recipe.learning_rate(run.optimizer)
+        outcome = run.recipe.optimizer_step(run.optimizer, model.parameters())
+        run.optimizer.zero_grad(set_to_none=True)
+        metrics = {"lr": lr} if run.recipe.scheduler is not None else {}
+        metrics["replica_groups"] = float(participants)
+        if outcome.grad_norm is not None:
+            metrics["grad_norm"] = outcome.grad_norm
+        self.position += done
+        state.count_step(sums, outcome.taken, **metrics)
+        run.recipe.after_step(outcome)
+        self._writer = index == 0
+        run.callbacks_handler.execute("on_batch_end")
+        every = run.checkpoint_every
+        if self._writer and every and run.checkpoint_dir is not None and state.global_step % every == 0:
+            run._save_checkpoint(self.position)
+
+    def _note_members(self, members: tuple[str, ...], step: int) -> None:
+        """Log who left or joined the quorum since the last step (the groups a lost or hung one leaves)."""
+        if self._members and members != self._members:
+            left, joined = sorted(set(self._members) - set(members)), sorted(set(members) - set(self._members))
+            log.warning(
+                "replica group %s at step %d: %s%s; the quorum is now %s",
+                self.settings.replica_id, step + 1,
+                f"{', '.join(left)} left the quorum (lost, or no heartbeat within the lighthouse's timeout)"
+                if left else "",
+                ("; " if left and joined else "") + (f"{', '.join(joined)} joined" if joined else ""),
+                ", ".join(members),
+            )  # fmt: skip
+        self._members = members
+
+    def _end_epoch(self, num_epochs: int) -> None:
+        """The epoch's loss, validation and schedule, the same in every group (each evaluates the whole split)."""
+        run, state = self.run, self.run.state
+        summed = state.epoch_sums
+        loss = float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
+        state.history["train_loss"].append(loss)
+        metrics = run.evaluate(run.validation_loader) if run.validation_loader is not None else {}
+        for name, value in metrics.items():
+            state.history[f"validation_{name}"].append(value)
+        run._end_epoch_recipe()
+        if self._writer:
+            tqdm.write(line := f"[{self.settings.replica_id}] {epoch_line(state.epoch, num_epochs, loss, metrics, [])}")
+            log.info(line)
+        run.callbacks_handler.execute("on_epoch_end")
+        state.epoch += 1
+        state.epoch_sums = torch.zeros(2, dtype=torch.float64)
+        self.position = 0
+        if self._writer and run.checkpoint_dir is not None:
+            run._save_checkpoint(0)
+        if state.epoch < num_epochs and not state.should_stop:
+            run.callbacks_handler.execute("on_epoch_begin")

@@ -1,0 +1,103 @@
+"""One replica group of a fault-tolerant ``TrainLoop``:
+``python -m tests.ft_trainloop ID LIGHTHOUSE OUT KILL_AT DELAY [CHECKPOINT_DIR]``.
+
+Trains the digits classifier with ``TrainLoop(fault_tolerance=TorchFT(...), global_batch_size=GLOBAL_BATCH)``.
+Every committed step appends a JSON line to ``OUT.jsonl``: the epoch, the step, the dataset indices this
+group trained on in it, the number of replica groups of its quorum, the process id and the time. With
+``KILL_AT`` > 0 the process SIGKILLs itself in the middle of step ``KILL_AT`` (after writing ``{"kill": t}``).
+With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it). At the end: the
+weights in ``OUT.pt``, the history in ``OUT.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpkit import Callback, TrainLoop
+from ddpkit.examples.demo import build_model
+from ddpkit.examples.digits import digits_datasets
+from ddpkit.fault_tolerance import TorchFT
+
+GLOBAL_BATCH = 64
+BATCH = 16
+EPOCHS = 3
+
+
+class IndexedLoop(TrainLoop):
+    """Batches ``(images, labels, indices)``; the indices of each attempt at a step are kept in :attr:`pending`."""
+
+    kill_at = 0
+    log: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending: list[tuple[int, int, list[int]]] = []
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        images, labels, indices = batch
+        if self.kill_at and self.global_step == self.kill_at:
+            self.log.write(json.dumps({"kill": time.time(), "pid": os.getpid()}) + "\n")
+            self.log.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.pending.append((self.global_step, self.state.failed_steps, indices.tolist()))
+        return nn.functional.cross_entropy(model(images), labels)
+
+
+class StepLog(Callback):
+    """After each committed step: the indices of its attempt that was committed, one JSON line."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        loop: IndexedLoop = train_loop
+        done = loop.global_step - 1  # the step just committed, counted from 0
+        items = [i for step, failed, chunk in loop.pending if (step, failed) == (done, loop.state.failed_steps)
+                 for i in chunk]  # fmt: skip
+        loop.pending.clear()
+        record = {"t": time.time(), "epoch": loop.epoch, "step": done, "items": items, "pid": os.getpid(),
+                  "groups": loop.step_metrics.get("replica_groups")}  # fmt: skip
+        loop.log.write(json.dumps(record) + "\n")
+        loop.log.flush()
+        time.sleep(self.delay)
+
+
+def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
+    """The same loop in every group and in the one-process reference run (same weights, order, optimizer)."""
+    train_set, val_set = digits_datasets(seed=0)
+    images, labels = train_set.tensors
+    indexed = TensorDataset(images, labels, torch.arange(len(labels)))
+    torch.manual_seed(0)
+    model = build_model()
+    return IndexedLoop(
+        model, DataLoader(indexed, batch_size=BATCH, shuffle=True), DataLoader(val_set, batch_size=50),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), global_batch_size=GLOBAL_BATCH,
+        progress=False, fault_tolerance=fault_tolerance,
+    )  # fmt: skip
+
+
+def main(replica: str, lighthouse: str, out: str, kill_at: int, delay: float, checkpoint_dir: str | None) -> None:
+    loop = build_loop(TorchFT(lighthouse, replica, timeout=5.0, quorum_timeout=30.0))
+    if checkpoint_dir is not None:
+        loop.checkpoint_dir, loop.checkpoint_every = Path(checkpoint_dir), 7
+    loop.kill_at = kill_at
+    with open(f"{out}.jsonl", "a") as log:
+        loop.log = log
+        history = loop.fit(EPOCHS, callbacks=[StepLog(delay)])
+    torch.save(loop.model.state_dict(), f"{out}.pt")
+    with open(f"{out}.json", "w") as file:
+        json.dump(history, file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), (sys.argv[6:] or [None])[0])
