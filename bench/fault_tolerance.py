@@ -16,7 +16,10 @@ recovery it has to keep. Every process is a fresh one, with one thread
    gradients all-reduced through ``Manager.allreduce``), and the same loop
    through ddpkit's ``ReplicaGroup``. Ratios: torchft / DDP, ddpkit / torchft
    (what ddpkit adds), ddpkit / DDP (the fault tolerance issue's target: at
-   most 1.05).
+   most 1.05). Then a ``TrainLoop`` (global batch 64, 32 per process) as 2
+   DDP ranks and as 2 replica groups (``fault_tolerance``: each step's items
+   dealt over the quorum, loaded in the process, and the loss sums summed
+   over the groups besides the gradients).
 2. **Recovery**: from a SIGKILL of one process to the survivors' next
    optimizer step. torchft: 3 replicas, one killed; the survivors keep their
    processes and commit without it; the killed one is started again and heals
@@ -199,6 +202,41 @@ def ddpkit_worker(replica: str, lighthouse: str, steps: int, out: str) -> None:
     group.close()
 
 
+def trainloop_worker(kind: str, who: str, address: str, steps: int, out: str) -> None:
+    """One process of a ``TrainLoop`` on the digits (global batch 64, batches of 32): one of 2 DDP ranks
+    (``kind`` "ddp", ``address`` the store's port) or one of 2 replica groups (``kind`` "ft", ``address`` the
+    lighthouse); the time at the end of each optimizer step, to ``out``, for ``steps`` steps or a little more."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from ddpkit import Callback, TrainLoop
+    from ddpkit.examples.demo import build_model
+    from ddpkit.examples.digits import digits_datasets
+    from ddpkit.fault_tolerance import TorchFT
+
+    if kind == "ddp":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{address}", rank=int(who), world_size=2)
+    train_set, _ = digits_datasets(seed=0)
+    torch.manual_seed(0)
+    model = build_model()
+    fault_tolerance = TorchFT(address, who, timeout=5.0, quorum_timeout=20.0) if kind == "ft" else None
+    loop = TrainLoop(model, DataLoader(train_set, batch_size=32, shuffle=True),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.05), global_batch_size=64, progress=False,
+                     fault_tolerance=fault_tolerance)  # fmt: skip
+    with open(out, "w") as log:
+
+        class Times(Callback):
+            def on_batch_end(self, train_loop: Any) -> None:
+                log.write(json.dumps({"t": time.time(), "step": train_loop.global_step}) + "\n")
+
+        loop.fit(math.ceil(steps / math.ceil(len(train_set) / 64)), callbacks=[Times()])
+    if kind == "ddp":
+        dist.destroy_process_group()
+
+
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     return subprocess.Popen([sys.executable, __file__, *args], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
@@ -233,14 +271,19 @@ def _lighthouse(replicas: int) -> Any:
 
 def per_step(work: Path, steps: int, rounds: int) -> dict[str, list[float]]:
     """Median seconds per step of each round, for plain DDP, the plain torchft loop and ddpkit's."""
-    kinds = ("ddp", "torchft", "ddpkit")
+    kinds = ("ddp", "torchft", "ddpkit", "trainloop-ddp", "trainloop-ft")
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(rounds):
         for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
             outs = [work / f"{kind}-{round_}-{rank}.jsonl" for rank in range(2)]
             logs = [work / f"{kind}-{round_}-{rank}.log" for rank in range(2)]
-            lighthouse = _lighthouse(2) if kind != "ddp" else None
-            if lighthouse is None:
+            lighthouse = _lighthouse(2) if kind not in ("ddp", "trainloop-ddp") else None
+            if kind.startswith("trainloop"):
+                mode = kind.removeprefix("trainloop-")
+                where = str(_free_port()) if lighthouse is None else lighthouse.address()
+                args = [["--trainloop-worker", mode, f"{rank}" if mode == "ddp" else f"r{rank}-{round_}", where,
+                         str(steps), str(outs[rank])] for rank in range(2)]  # fmt: skip
+            elif lighthouse is None:
                 port = str(_free_port())
                 args = [["--ddp-worker", str(rank), port, str(steps), str(outs[rank])] for rank in range(2)]
             else:
@@ -356,6 +399,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--torchft-worker":
         torchft_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], float(sys.argv[6]))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--trainloop-worker":
+        trainloop_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--ddpkit-worker":
         ddpkit_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
         return
@@ -390,6 +436,12 @@ def main() -> None:
     print(f"  ratio torchft / DDP             {ratio('torchft', 'ddp')}")
     print(f"  ratio ddpkit / torchft          {ratio('ddpkit', 'torchft')}")
     print(f"  ratio ddpkit / DDP              {ratio('ddpkit', 'ddp')}  (the issue's target: <= 1.05)")
+    loop_ddp, loop_ft = (statistics.median(seconds[k]) for k in ("trainloop-ddp", "trainloop-ft"))
+    print("TrainLoop, global batch 64 (32 per process), 2 processes:")
+    print(f"  TrainLoop, DDP                  {loop_ddp * 1e3:7.2f} ms")
+    print(f"  TrainLoop(fault_tolerance)      {loop_ft * 1e3:7.2f} ms  ({(loop_ft - loop_ddp) * 1e3:+.2f} ms)")
+    print(f"  ratio fault tolerance / DDP     {ratio('trainloop-ft', 'trainloop-ddp')}")
+    print(f"  ratio TrainLoop(ft) / torchft   {ratio('trainloop-ft', 'torchft')}  (the plain torchft loop above)")
     print(f"recovery from a SIGKILL (step delay {args.step_delay} s):")
     print(f"  torchft, 3 replicas: survivors' next commit {ft['next_commit']:6.2f} s after the kill "
           f"(same processes: {ft['kept_pids']}; steps not committed: {ft['failed_steps']}); the restarted "

@@ -1,10 +1,13 @@
 """One replica group of a fault-tolerant ``TrainLoop``:
-``python -m tests.ft_trainloop ID LIGHTHOUSE OUT KILL_AT DELAY [CHECKPOINT_DIR]``.
+``python -m tests.ft_trainloop ID LIGHTHOUSE OUT KILL_AT DELAY [CHECKPOINT_DIR]``, or
+``ddpkit run --fault-tolerance -n 3 -m tests.ft_trainloop - - FOLDER KILL_AT DELAY`` (the id and lighthouse
+from the environment, ``OUT`` = ``FOLDER/<id>``, and only ``group-2``'s first start kills itself).
 
 Trains the digits classifier with ``TrainLoop(fault_tolerance=TorchFT(...), global_batch_size=GLOBAL_BATCH)``.
 Every committed step appends a JSON line to ``OUT.jsonl``: the epoch, the step, the dataset indices this
 group trained on in it, the number of replica groups of its quorum, the process id and the time. With
-``KILL_AT`` > 0 the process SIGKILLs itself in the middle of step ``KILL_AT`` (after writing ``{"kill": t}``).
+``KILL_AT`` > 0 the process SIGKILLs itself in the middle of step ``KILL_AT`` (after writing ``{"kill": t}``);
+with ``KILL_AT`` < 0 it hangs for 8 s in the middle of step ``-KILL_AT`` (after writing ``{"hang": t}``).
 With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it). At the end: the
 weights in ``OUT.pt``, the history in ``OUT.json``.
 """
@@ -37,6 +40,7 @@ class IndexedLoop(TrainLoop):
     """Batches ``(images, labels, indices)``; the indices of each attempt at a step are kept in :attr:`pending`."""
 
     kill_at = 0
+    hung = False
     log: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -45,10 +49,15 @@ class IndexedLoop(TrainLoop):
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         images, labels, indices = batch
-        if self.kill_at and self.global_step == self.kill_at:
+        if self.kill_at > 0 and self.global_step == self.kill_at:
             self.log.write(json.dumps({"kill": time.time(), "pid": os.getpid()}) + "\n")
             self.log.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kill_at < 0 and self.global_step == -self.kill_at and not self.hung:  # hangs once, 8 s
+            self.hung = True
+            self.log.write(json.dumps({"hang": time.time(), "pid": os.getpid()}) + "\n")
+            self.log.flush()
+            time.sleep(8.0)
         self.pending.append((self.global_step, self.state.failed_steps, indices.tolist()))
         return nn.functional.cross_entropy(model(images), labels)
 
@@ -87,6 +96,10 @@ def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
 
 
 def main(replica: str, lighthouse: str, out: str, kill_at: int, delay: float, checkpoint_dir: str | None) -> None:
+    if replica == "-":  # under `ddpkit run --fault-tolerance`: the settings from the environment, OUT a folder
+        replica, lighthouse = os.environ["REPLICA_GROUP_ID"], os.environ["TORCHFT_LIGHTHOUSE"]
+        out = os.path.join(out, replica)
+        kill_at = kill_at if replica == "group-2" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" else 0
     loop = build_loop(TorchFT(lighthouse, replica, timeout=5.0, quorum_timeout=30.0))
     if checkpoint_dir is not None:
         loop.checkpoint_dir, loop.checkpoint_every = Path(checkpoint_dir), 7

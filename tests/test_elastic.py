@@ -373,10 +373,12 @@ def test_a_job_that_gains_a_node_mid_epoch_goes_on_on_two_with_the_same_result(t
     port = _free_port()
     common = [sys.executable, "-m", "ddpkit.examples.elastic", "--nnodes", "1:2", "--rdzv-endpoint",
               f"127.0.0.1:{port}", "--rdzv-conf", _FAST_RDZV, "--checkpoint-dir", str(tmp_path / "checkpoints"),
-              "--record", str(tmp_path / "record"), "--sampler", "pk", "--step-delay", "0.3"]  # fmt: skip
+              "--record", str(tmp_path / "record"), "--sampler", "pk", "--step-delay", "0.3",
+              "--checkpoint-every", "1"]  # fmt: skip
     first = _agent([*common, "--out", str(tmp_path / "weights.pt")], tmp_path / "first.log")
     record = tmp_path / "record"
-    # 22 steps of 0.6 s on one rank: the second agent, started after the first, joins well inside epoch 1
+    # 22 steps of 0.6 s on one rank: the second agent, started after the first, joins well inside epoch 1.
+    # A checkpoint at every step: a join before the first step's checkpoint would redo (and re-record) it on two.
     wait_for(lambda: _steps_of(record, 0, 1) >= 1, "the first step on one rank", [first])
     joined = time.time()
     second = _agent(common, tmp_path / "second.log")

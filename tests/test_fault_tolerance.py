@@ -236,10 +236,20 @@ def _check_every_item_once_per_epoch_and_the_weights_of_one_process(
         assert sorted(counted) == list(range(items)), f"epoch {epoch}: {items - len(counted)} items never used"
         assert set(counted.values()) == {1}, f"epoch {epoch}: items used twice: {counted.most_common(3)}"
     expected = reference.model.state_dict()
+    finals_weights = {final.name: torch.load(f"{final}.pt") for final in finals}
+
+    def gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+    between = {f"{a}-{b}": gap(finals_weights[a], finals_weights[b]) for a in finals_weights for b in finals_weights
+               if a < b}  # fmt: skip
     for final in finals:
-        weights = torch.load(f"{final}.pt")
-        gap = max(float((weights[k] - expected[k]).abs().max()) for k in expected)
-        assert gap < 1e-5, f"{final.name}: {gap:.2e} from the run that lost nothing"
+        off = gap(finals_weights[final.name], expected)
+        assert off < 1e-5, (
+            f"{final.name}: {off:.2e} from the run that lost nothing; between the groups: {between}; train losses: "
+            f"{ {f.name: json.loads(Path(f'{f}.json').read_text())['train_loss'] for f in finals} } against "
+            f"{history['train_loss']}; steps per group: { {o.name: len(_steps([o])) for o in outs} }"
+        )
         kept = json.loads(Path(f"{final}.json").read_text())
         assert kept["train_loss"] == pytest.approx(history["train_loss"], rel=1e-5)
         assert kept["validation_accuracy"] == pytest.approx(history["validation_accuracy"], abs=1e-9)
@@ -316,6 +326,30 @@ def test_a_hung_trainloop_replica_is_dropped_named_and_rejoins_and_the_run_ends_
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
+def test_a_trainloop_replica_that_hangs_inside_a_step_fails_that_step_and_is_named(tmp_path: Path) -> None:
+    """One of three groups hangs (8 s, heartbeats going on) inside step 31: the two others' step fails at
+    the collectives' timeout (5 s) instead of waiting for it, their logs name it, they do the step again
+    without it; it comes back, fails its step, takes the state from a peer, and all end as one process."""
+    outs = [tmp_path / f"r{i}" for i in range(3)]
+    with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
+        processes = [_spawn_loop(f"r{i}", lighthouse.address, out, -30 if i == 2 else 0) for i, out in enumerate(outs)]
+        _finish(processes, outs)
+    hung = next(r["hang"] for r in _records(outs[2]) if "hang" in r)
+    for out in outs[:2]:
+        first = next(r for r in _steps([out]) if r["t"] > hung)
+        print(f"{out.name} committed step {first['step']} {first['t'] - hung:.2f} s after the hang began")
+        assert (first["step"], first["groups"]) == (30, 2), "the hung step was not redone by the two others"
+        assert first["t"] - hung < 8.0, "the others waited for the hung group"
+        log = Path(f"{out}.log").read_text()
+        assert "step 31 was not committed" in log, log[-3000:]
+        assert "r2 left the quorum" in log, log[-3000:]
+    back = [r for r in _steps([outs[2]]) if r["t"] > hung]
+    assert any(r["groups"] == 3 and r["items"] for r in back), "the hung group never trained again"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
 def test_a_fault_tolerant_job_whose_every_group_died_resumes_from_trainloops_checkpoint(tmp_path: Path) -> None:
     """TrainLoop's own checkpoints still restart a whole job: three groups checkpoint every 7 steps (one
     writes); all three die inside step 31; started again on the same checkpoint_dir they resume at step 28,
@@ -335,3 +369,42 @@ def test_a_fault_tolerant_job_whose_every_group_died_resumes_from_trainloops_che
     assert "resuming from" in Path(f"{again[0]}.log").read_text()
     assert min(r["step"] for r in _steps(again)) == 28, "not resumed from the checkpoint after step 28"
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(again, again, count=False)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_while_the_others_go_on(
+    tmp_path: Path,
+) -> None:
+    """`ddpkit run --fault-tolerance -n 3 --max-restarts 1`: group-2 SIGKILLs itself inside step 30; the
+    two others keep their processes and commit within 2 s; group-2's agent starts it again, it takes the
+    state from a peer and trains in a quorum of three; every item once per epoch, weights of one process."""
+    command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", "3", "--max-restarts", "1",
+               "-m", "tests.ft_trainloop", "-", "-", str(tmp_path), "30", "0.15"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restart 1 of 1: local rank 0 was killed by signal SIGKILL" in done.stderr, done.stderr[-3000:]
+    outs = [tmp_path / f"group-{i}" for i in range(3)]
+    killed = next(r["kill"] for r in _records(outs[2]) if "kill" in r)
+    for out in outs[:2]:
+        records = _steps([out])
+        assert len({r["pid"] for r in records}) == 1, "a survivor was restarted"
+        first = next(r for r in records if r["t"] > killed)
+        assert first["t"] - killed < 2.0, f"next commit {first['t'] - killed:.2f} s after the kill"
+    back = [r for r in _steps([outs[2]]) if r["t"] > killed]
+    assert len({r["pid"] for r in _steps([outs[2]])}) == 2, "group-2 was not started again"
+    assert back[0]["step"] > 30, "the restarted group started over instead of taking its peers' state"
+    assert any(r["groups"] == 3 and r["items"] for r in back), "the restarted group never trained again"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
+
+
+def test_ddpkit_run_fault_tolerance_is_one_machines_and_says_how_to_go_further(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ddpkit.cli import main
+
+    assert main(["run", "--fault-tolerance", "--nnodes", "2", "-n", "2", "tests/ft_trainloop.py"]) == 2
+    said = capsys.readouterr().err
+    assert "replica groups of one machine (not --nnodes 2" in said, said
+    assert "TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID" in said, said

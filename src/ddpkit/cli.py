@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ddpkit import __version__
 from ddpkit.environments import detect_environment
 from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
+from ddpkit.fault_tolerance._job import run_replica_groups
 from ddpkit.hangs._watchdog import hang_timeout
 from ddpkit.jobs._agent_log import VERBOSE_VARIABLE
 from ddpkit.jobs._rendezvous import use_job_secret
@@ -58,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also show torch's launcher log and every rank's traceback on stderr (default: in a log file "
         "that a failure names)",
+    )
+    run.add_argument(
+        "--fault-tolerance",
+        action="store_true",
+        help="per-step fault tolerance on torchft (pip install 'ddpkit[ft]'; one node): a lighthouse here on "
+        "loopback and each of the -n processes a replica group under an agent of its own, named group-0, "
+        "group-1, ... (REPLICA_GROUP_ID), started again up to --max-restarts times when it dies while the others "
+        "go on; the script trains with TrainLoop(fault_tolerance='torchft')",
     )
     run.add_argument("--doctor", action="store_true", help="run `ddpkit doctor` on these processes instead of SCRIPT")
     run.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module, with -m)")
@@ -216,6 +225,8 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("run", error, status=2)
     if args.verbose:
         os.environ[VERBOSE_VARIABLE] = "1"
+    if args.fault_tolerance:
+        return _run_replica_groups(args)
     options = {
         "nprocs": args.nprocs,
         "nnodes": args.nnodes,
@@ -247,6 +258,27 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:
         return _fail("run", error, status=2)
     return 0
+
+
+def _run_replica_groups(args: argparse.Namespace) -> int:
+    if args.nnodes != "1" or scheduler_environment() is not None:
+        return _fail(
+            "run",
+            f"--fault-tolerance runs the replica groups of one machine (not --nnodes {args.nnodes}, nor under srun or "
+            "mpirun); on several, serve the lighthouse yourself (ddpkit.fault_tolerance.serve_lighthouse) and start "
+            "each group with TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID set (see the README, 'Fault tolerance without "
+            "restarts')",
+            status=2,
+        )
+    try:
+        return run_replica_groups(
+            args.script, args.script_args, groups=1 if args.nprocs is None else args.nprocs,
+            max_restarts=args.max_restarts, module=args.module,
+        )  # fmt: skip
+    except ValueError as error:
+        return _fail("run", error, status=2)
+    except ImportError as error:
+        return _fail("run", error)
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -169,7 +169,7 @@ class FaultTolerantFit:
             log.warning(
                 "replica group %s at step %d: %s%s; the quorum is now %s",
                 self.settings.replica_id, step + 1,
-                f"{', '.join(left)} left the quorum (lost, or no heartbeat within the lighthouse's timeout)"
+                f"{', '.join(left)} left the quorum (lost, hung, or late for the step's quorum)"
                 if left else "",
                 ("; " if left and joined else "") + (f"{', '.join(joined)} joined" if joined else ""),
                 ", ".join(members),
