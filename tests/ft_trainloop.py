@@ -37,7 +37,8 @@ EPOCHS = 3
 
 
 class IndexedLoop(TrainLoop):
-    """Batches ``(images, labels, indices)``; the indices of each attempt at a step are kept in :attr:`pending`."""
+    """Batches ``(images, labels, indices)``; the indices of each attempt at a step are kept in :attr:`pending`
+    (an attempt not committed, or a share computed for a quorum that then changed, is left out of the log)."""
 
     kill_at = 0
     hung = False
@@ -45,7 +46,11 @@ class IndexedLoop(TrainLoop):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.pending: list[tuple[int, int, list[int]]] = []
+        self.pending: list[tuple[tuple[int, int, int], list[int]]] = []
+
+    def attempt(self) -> tuple[int, int, int]:
+        """Which attempt at which step this is: the step, the steps not committed, the shares dealt again."""
+        return self.global_step, self.state.failed_steps, self.state.dealt_again
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         images, labels, indices = batch
@@ -58,7 +63,7 @@ class IndexedLoop(TrainLoop):
             self.log.write(json.dumps({"hang": time.time(), "pid": os.getpid()}) + "\n")
             self.log.flush()
             time.sleep(8.0)
-        self.pending.append((self.global_step, self.state.failed_steps, indices.tolist()))
+        self.pending.append((self.attempt(), indices.tolist()))
         return nn.functional.cross_entropy(model(images), labels)
 
 
@@ -71,8 +76,8 @@ class StepLog(Callback):
     def on_batch_end(self, train_loop: Any) -> None:
         loop: IndexedLoop = train_loop
         done = loop.global_step - 1  # the step just committed, counted from 0
-        items = [i for step, failed, chunk in loop.pending if (step, failed) == (done, loop.state.failed_steps)
-                 for i in chunk]  # fmt: skip
+        committed = (done, loop.state.failed_steps, loop.state.dealt_again)
+        items = [i for attempt, chunk in loop.pending if attempt == committed for i in chunk]
         loop.pending.clear()
         record = {"t": time.time(), "epoch": loop.epoch, "step": done, "items": items, "pid": os.getpid(),
                   "groups": loop.step_metrics.get("replica_groups")}  # fmt: skip

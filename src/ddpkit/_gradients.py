@@ -8,13 +8,17 @@ import torch
 from torch import nn
 
 
-def reduce_gradients(parameters: Iterable[nn.Parameter], reduce: Callable[[torch.Tensor], bool]) -> None:
+def reduce_gradients(
+    parameters: Iterable[nn.Parameter], reduce: Callable[[torch.Tensor], bool], extra: torch.Tensor | None = None
+) -> bool:
     """Hand the gradients of ``parameters`` to ``reduce`` as one flat tensor per device and dtype, and copy
-    what it leaves in the tensor back into the gradients.
+    what it leaves in the tensor back into the gradients; whether every ``reduce`` went through.
 
     A parameter that requires a gradient but has none gets zeros (so a rank with no batch in a step
     takes part). ``reduce`` changes the flat tensor in place and returns ``False`` to stop: that tensor
-    is not copied back and the rest are not reduced.
+    is not copied back and the rest are not reduced. ``extra`` (1-D, a few numbers such as loss sums)
+    rides at the end of the first flat tensor, in its dtype, and gets what ``reduce`` left there (it is
+    reduced alone when there are no gradients): one collective fewer.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for parameter in parameters:
@@ -22,9 +26,21 @@ def reduce_gradients(parameters: Iterable[nn.Parameter], reduce: Callable[[torch
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
             groups.setdefault((parameter.grad.device, parameter.grad.dtype), []).append(parameter.grad)
+    riding = extra
     for grads in groups.values():
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        parts = [grad.reshape(-1) for grad in grads]
+        if riding is not None:
+            parts.append(riding.to(grads[0].device, grads[0].dtype))
+        flat = torch.cat(parts)
         if not reduce(flat):
-            return
-        for grad, part in zip(grads, torch.split(flat, [grad.numel() for grad in grads]), strict=True):
+            return False
+        sizes = [grad.numel() for grad in grads]
+        pieces = torch.split(flat, [*sizes, flat.numel() - sum(sizes)])
+        for grad, part in zip(grads, pieces, strict=False):
             grad.copy_(part.view_as(grad))
+        if riding is not None:
+            riding.copy_(pieces[-1])
+            riding = None
+    if riding is not None:
+        return reduce(riding)
+    return True

@@ -107,26 +107,22 @@ class ReplicaGroup:
         """Ask for this step's quorum (before the forward pass); every group calls it at each step."""
         self._manager.start_quorum()
 
-    def average_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
-        """Average the gradients of ``parameters`` over the quorum's groups: one all-reduce per device and dtype.
+    def average_gradients(self, parameters: Iterable[nn.Parameter], also: torch.Tensor | None = None) -> bool:
+        """Average the gradients of ``parameters`` over the quorum's groups: one all-reduce per device and dtype;
+        whether it went through.
 
-        A parameter without a gradient counts as zero (and gets one). After a failure in this step the
-        gradients are left as they are and :meth:`commit` returns ``False``. Every group of the quorum
-        calls it, after ``backward()``.
+        A parameter without a gradient counts as zero (and gets one). ``also`` (optional, 1-D floating point,
+        shape ``(n,)``: a few numbers such as loss sums) is averaged in place with the first of them, in its
+        dtype. After a failure in this step the gradients (and ``also``) are left as they are, it returns
+        ``False`` and so does :meth:`commit`. A recovering group adds zeros. Every group of the quorum calls
+        it, after ``backward()``.
         """
 
         def mean(flat: torch.Tensor) -> bool:
             self._manager.allreduce(flat).wait()  # the mean over the participants
             return self._manager.errored() is None
 
-        reduce_gradients(parameters, mean)
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> bool:
-        """Sum the floating-point ``tensor`` in place over the quorum's groups (a recovering group adds zeros);
-        whether it was summed (``False`` after a failure in this step: ``tensor`` is then not to be used).
-        Every group of the quorum calls it."""
-        self._manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        return self._manager.errored() is None
+        return reduce_gradients(parameters, mean, also)
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step: then (only then) take the optimizer step.

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
+from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
 from ddpkit.training._messages import epoch_line
 
@@ -59,6 +60,7 @@ class FaultTolerantFit:
         self._orders: dict[int, torch.Tensor] = {}
         self._members: tuple[str, ...] = ()
         self._writer = False  # whether this group was participant 0 of the last committed step
+        self._deal: tuple[int, int | None] | None = None  # (participants, index) of the last step's quorum
 
     # --- the state a recovering group takes --------------------------------------------------------
 
@@ -115,27 +117,24 @@ class FaultTolerantFit:
         return self._orders[epoch]
 
     def _step(self, group: ReplicaGroup) -> None:
-        run, state = self.run, self.run.state
-        group.start_step()
-        participants, index = group.participants, group.participant_index
-        self._note_members(group.members, state.global_step)
+        run, state, model = self.run, self.run.state, self.run.model
+        group.start_step()  # the quorum forms while this group computes the share it had in the last step
         epoch, low = state.epoch, self.position
         step = self._order(epoch)[low : low + self.size]
-        sums = torch.zeros(2, dtype=torch.float64)
         run.optimizer.zero_grad(set_to_none=True)
-        model = run.model
         model.train()
-        if index is not None:
-            forward = run._forward_model if run._forward_model is not None else model
-            for number, chunk in enumerate(torch.split(step[index::participants], self.batch_size)):
-                torch.manual_seed(epoch_seed(run.seed, epoch, low + index + participants * number * self.batch_size))
-                batch = run.batch_to_device(self.collate([self.dataset[int(i)] for i in chunk]))
-                with run.recipe.autocast(run.device):
-                    loss = run.training_step(forward, batch)
-                run.recipe.backward(loss * (len(chunk) * participants / len(step)))
-                sums += torch.tensor([float(loss.detach()) * len(chunk), len(chunk)], dtype=torch.float64)
-        group.average_gradients(model.parameters())
-        group.all_reduce_sum(sums)
+        guess = self._deal
+        sums = self._share(step, epoch, low, *guess) if guess is not None else torch.zeros(2, dtype=torch.float64)
+        participants, index = group.participants, group.participant_index
+        self._note_members(group.members, state.global_step)
+        if (participants, index) != guess:  # another quorum than the last step's: deal the step again
+            if guess is not None and guess[1] is not None:
+                state.dealt_again += 1
+            run.optimizer.zero_grad(set_to_none=True)
+            sums = self._share(step, epoch, low, participants, index)
+        self._deal = (participants, index)
+        if group.average_gradients(model.parameters(), also=sums):  # the loss sums ride with the gradients
+            sums *= participants  # their mean over the participants -> their sum
         if not group.commit():
             run.optimizer.zero_grad(set_to_none=True)
             state.failed_steps += 1
@@ -161,6 +160,22 @@ class FaultTolerantFit:
         every = run.checkpoint_every
         if self._writer and every and run.checkpoint_dir is not None and state.global_step % every == 0:
             run._save_checkpoint(self.position)
+
+    def _share(self, step: torch.Tensor, epoch: int, low: int, participants: int, index: int | None) -> torch.Tensor:
+        """Forward and backward of participant ``index``'s share of ``step`` (dataset indices from position
+        ``low`` of ``epoch``) among ``participants``: its loss sums (``(2,)`` float64); nothing for ``None``."""
+        run, sums = self.run, torch.zeros(2, dtype=torch.float64)
+        if index is None:
+            return sums
+        forward = run._forward_model if run._forward_model is not None else run.model
+        for number, chunk in enumerate(torch.split(step[index::participants], self.batch_size)):
+            reseed_torch(epoch_seed(run.seed, epoch, low + index + participants * number * self.batch_size))
+            batch = run.batch_to_device(self.collate([self.dataset[int(i)] for i in chunk]))
+            with run.recipe.autocast(run.device):
+                loss = run.training_step(forward, batch)
+            run.recipe.backward(loss * (len(chunk) * participants / len(step)))
+            sums += torch.tensor([float(loss.detach()) * len(chunk), len(chunk)], dtype=torch.float64)
+        return sums
 
     def _note_members(self, members: tuple[str, ...], step: int) -> None:
         """Log who left or joined the quorum since the last step (the groups a lost or hung one leaves)."""

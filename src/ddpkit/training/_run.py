@@ -29,6 +29,7 @@ from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT
 from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
 from ddpkit.process_group import get_rank, get_world_size, is_distributed
+from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.training._messages import skipped_model_error
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Recipe
@@ -154,7 +155,7 @@ class TrainingRun:
             batch = self.batch_to_device(batch)
             ends_step = steps.ends_step(index) or last
             if (seed := steps.batch_seed(index)) is not None:
-                torch.manual_seed(seed)
+                reseed_torch(seed)
             # DDP decides at the forward whether this backward all-reduces: both go inside.
             gradient_sync = contextlib.nullcontext() if ends_step else self.plugin.block_backward_sync(model)
             with gradient_sync:

@@ -59,6 +59,9 @@ class RunState:
             or nan gradients) in all.
         failed_steps: with fault tolerance, steps this replica group did that
             were not committed (a group was lost during them) and were done again.
+        dealt_again: with fault tolerance, steps whose share this group computed
+            while the quorum formed (its share in the last step's quorum) and
+            computed again because the quorum had changed.
     """
 
     epoch: int = 0
@@ -71,6 +74,7 @@ class RunState:
     step_metrics: dict[str, float] = field(default_factory=dict)
     skipped_steps: int = 0
     failed_steps: int = 0
+    dealt_again: int = 0
     _step_start: torch.Tensor = field(default_factory=_sums, repr=False)
 
     def begin_epoch(self) -> int:
