@@ -6,8 +6,9 @@ from the environment, ``OUT`` = ``FOLDER/<id>``, and only ``group-2``'s first st
 Trains the digits classifier with ``TrainLoop(fault_tolerance=TorchFT(...), global_batch_size=GLOBAL_BATCH)``.
 Every committed step appends a JSON line to ``OUT.jsonl``: the epoch, the step, the dataset indices this
 group trained on in it, the number of replica groups of its quorum, the process id and the time. With
-``KILL_AT`` > 0 the process SIGKILLs itself in the middle of step ``KILL_AT`` (after writing ``{"kill": t}``);
-with ``KILL_AT`` < 0 it hangs for 8 s in the middle of step ``-KILL_AT`` (after writing ``{"hang": t}``).
+``KILL_AT`` > 0 the process SIGKILLs itself in the middle of step ``KILL_AT``, or of the first step it
+computes after that (after writing ``{"kill": t}``); with ``KILL_AT`` < 0 it hangs for 8 s there instead
+(after writing ``{"hang": t}``).
 With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it). At the end: the
 weights in ``OUT.pt``, the history in ``OUT.json``.
 """
@@ -42,11 +43,31 @@ class IndexedLoop(TrainLoop):
 
     kill_at = 0
     hung = False
-    log: Any = None
+    #: Where the step log goes: ``OUT.jsonl``, or ``OUT/<REPLICA_GROUP_ID>.jsonl`` with :attr:`folder`.
+    out = ""
+    folder = False
+    #: Under agents that start a group again: only this group's first start kills itself.
+    kill_group: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pending: list[tuple[tuple[int, int, int], list[int]]] = []
+        self._file: Any = None
+
+    @property
+    def log(self) -> Any:
+        """The step log, opened (for appending) in the process that trains."""
+        if self._file is None:
+            path = os.path.join(self.out, os.environ["REPLICA_GROUP_ID"]) if self.folder else self.out
+            self._file = open(f"{path}.jsonl", "a")  # noqa: SIM115  # open while the process trains
+        return self._file
+
+    def dies(self) -> bool:
+        """Whether this process is the one to kill itself (or hang) at step ``kill_at``."""
+        if self.kill_group is None:
+            return True
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        return os.environ.get("REPLICA_GROUP_ID") == self.kill_group and first
 
     def attempt(self) -> tuple[int, int, int]:
         """Which attempt at which step this is: the step, the steps not committed, the shares dealt again."""
@@ -54,11 +75,11 @@ class IndexedLoop(TrainLoop):
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         images, labels, indices = batch
-        if self.kill_at > 0 and self.global_step == self.kill_at:
+        if self.kill_at > 0 and self.global_step >= self.kill_at and self.dies():  # a group healing at it: next
             self.log.write(json.dumps({"kill": time.time(), "pid": os.getpid()}) + "\n")
             self.log.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.kill_at < 0 and self.global_step == -self.kill_at and not self.hung:  # hangs once, 8 s
+        if self.kill_at < 0 and self.global_step >= -self.kill_at and not self.hung:  # hangs once, 8 s
             self.hung = True
             self.log.write(json.dumps({"hang": time.time(), "pid": os.getpid()}) + "\n")
             self.log.flush()
@@ -103,15 +124,16 @@ def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
 def main(replica: str, lighthouse: str, out: str, kill_at: int, delay: float, checkpoint_dir: str | None) -> None:
     if replica == "-":  # under `ddpkit run --fault-tolerance`: the settings from the environment, OUT a folder
         replica, lighthouse = os.environ["REPLICA_GROUP_ID"], os.environ["TORCHFT_LIGHTHOUSE"]
+        loop = build_loop(TorchFT(lighthouse, replica, timeout=5.0, quorum_timeout=30.0))
+        loop.out, loop.folder, loop.kill_group = out, True, "group-2"
         out = os.path.join(out, replica)
-        kill_at = kill_at if replica == "group-2" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" else 0
-    loop = build_loop(TorchFT(lighthouse, replica, timeout=5.0, quorum_timeout=30.0))
+    else:
+        loop = build_loop(TorchFT(lighthouse, replica, timeout=5.0, quorum_timeout=30.0))
+        loop.out = out
     if checkpoint_dir is not None:
         loop.checkpoint_dir, loop.checkpoint_every = Path(checkpoint_dir), 7
     loop.kill_at = kill_at
-    with open(f"{out}.jsonl", "a") as log:
-        loop.log = log
-        history = loop.fit(EPOCHS, callbacks=[StepLog(delay)])
+    history = loop.fit(EPOCHS, callbacks=[StepLog(delay)])
     torch.save(loop.model.state_dict(), f"{out}.pt")
     with open(f"{out}.json", "w") as file:
         json.dump(history, file)

@@ -74,8 +74,6 @@ def test_a_trainloop_with_fault_tolerance_needs_a_global_batch_and_its_own_proce
         _digits_loop(fault_tolerance="ft", global_batch_size=64)
     loop = _digits_loop(fault_tolerance="torchft", global_batch_size=64)
     assert loop.fault_tolerance == TorchFT()
-    with pytest.raises(ValueError, match="each replica group is a process of its own"):
-        loop.fit_distributed(1)
 
 
 def test_a_fault_tolerant_trainloop_refuses_a_batch_sampler_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -261,7 +259,7 @@ def test_a_trainloop_replica_killed_mid_epoch_costs_a_step_and_the_run_ends_as_o
     tmp_path: Path,
 ) -> None:
     """Three TrainLoop replica groups (global batch 64); one SIGKILLs itself inside step 30 (the middle of
-    epoch 2). The two others keep their processes, redo that step between them and commit within 2 s; the
+    epoch 2). The two others keep their processes, do that step between them and commit within 2 s; the
     killed one, started again, takes the state from a peer and trains again in a quorum of three. Every
     item is in exactly one committed step per epoch, and the weights equal one process's (< 1e-5)."""
     outs = [tmp_path / f"r{i}" for i in range(3)]
@@ -282,8 +280,9 @@ def test_a_trainloop_replica_killed_mid_epoch_costs_a_step_and_the_run_ends_as_o
         assert first["t"] - killed < 2.0, f"next commit {first['t'] - killed:.2f} s after the kill"
         assert (first["step"], first["groups"]) == (30, 2), "the lost step was not redone by the two others"
         log = Path(f"{out}.log").read_text()
+        # r2 died while it computed its share: in the quorum of step 31 (which then failed: "step 31 was not
+        # committed") or not yet, as the lighthouse saw it; either way the two others name it.
         assert "r2 left the quorum" in log, log[-3000:]
-        assert "step 31 was not committed" in log, log[-3000:]
     back = _steps([again])
     assert back[0]["step"] > 30, "the restarted group started over instead of taking its peers' state"
     assert any(r["groups"] == 3 and r["items"] for r in back), "the restarted group never trained again"
@@ -321,6 +320,20 @@ def test_a_hung_trainloop_replica_is_dropped_named_and_rejoins_and_the_run_ends_
         assert "r2 left the quorum" in Path(f"{out}.log").read_text(), "the hung group was not named"
     resumed = [r for r in _steps([outs[2]]) if r["t"] > stopped]
     assert any(r["groups"] == 3 and r["items"] for r in resumed), "it never trained in the quorum again"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_trainloop_groups_that_start_together_end_as_one_process(tmp_path: Path) -> None:
+    """Three groups meet in the job's first quorum (the lighthouse waits for all three): torchft makes two of
+    them take the third's state in that step and zeroes their gradients in its average, so that step trains
+    nothing; then every item once per epoch and the weights of one process (they were 2e-2 off when it
+    trained)."""
+    outs = [tmp_path / f"r{i}" for i in range(3)]
+    with serve_lighthouse("127.0.0.1", min_replicas=3) as lighthouse:
+        _finish([_spawn_loop(f"r{i}", lighthouse.address, out, 0, 0.0) for i, out in enumerate(outs)], outs)
+    assert all(r["groups"] == 3 for r in _steps(outs)), "a step was taken by fewer than the three groups"
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
 
 
@@ -411,3 +424,34 @@ def test_ddpkit_run_fault_tolerance_is_one_machines_and_says_how_to_go_further(
     said = capsys.readouterr().err
     assert "replica groups of one machine (not --nnodes 2" in said, said
     assert "TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID" in said, said
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_fit_distributed_with_fault_tolerance_restarts_a_killed_group_and_hands_back_one_processs_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`loop.fit_distributed(3, num_processes=3, max_restarts=1)` with `fault_tolerance`: three groups under
+    agents of their own, a lighthouse in this process; group-2 kills itself inside step 30 and its agent
+    starts it again. This process gets back weights within 1e-5 of one process's and the whole history;
+    every item once per epoch."""
+    from tests.ft_trainloop import EPOCHS, StepLog, build_loop
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("RUST_LOG", "warn")
+    loop = build_loop(TorchFT(timeout=5.0, quorum_timeout=30.0))
+    loop.kill_at, loop.kill_group, loop.out, loop.folder = 30, "group-2", str(tmp_path), True
+    history = loop.fit_distributed(EPOCHS, num_processes=3, max_restarts=1, callbacks=[StepLog(0.15)])
+    assert loop.global_step == 3 * 23, "the steps of three epochs of 1437 items in steps of 64"
+    torch.save(loop.model.state_dict(), tmp_path / "fit.pt")
+    (tmp_path / "fit.json").write_text(json.dumps(history))
+    outs = [tmp_path / f"group-{i}" for i in range(3)]
+    assert len({r["pid"] for r in _steps([outs[2]])}) == 2, "group-2 was not started again"
+    assert all(len({r["pid"] for r in _steps([out])}) == 1 for out in outs[:2]), "a survivor was restarted"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, [tmp_path / "fit"])
+
+
+def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() -> None:
+    loop = _digits_loop(fault_tolerance="torchft", global_batch_size=64)
+    with pytest.raises(ValueError, match=r"nnodes='1:2' cannot be honoured: on several machines"):
+        loop.fit_distributed(1, nnodes="1:2")

@@ -271,10 +271,11 @@ def _run_replica_groups(args: argparse.Namespace) -> int:
             status=2,
         )
     try:
-        return run_replica_groups(
+        statuses = run_replica_groups(
             args.script, args.script_args, groups=1 if args.nprocs is None else args.nprocs,
             max_restarts=args.max_restarts, module=args.module,
         )  # fmt: skip
+        return next((status for status in statuses if status != 0), 0)
     except ValueError as error:
         return _fail("run", error, status=2)
     except ImportError as error:

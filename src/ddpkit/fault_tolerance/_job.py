@@ -22,23 +22,32 @@ __all__ = ["run_replica_groups"]
 
 def run_replica_groups(
     script: str, script_args: Sequence[str], *, groups: int, max_restarts: int, module: bool = False,
-    min_replicas: int = 1,
-) -> int:  # fmt: skip
+    lighthouse: str | None = None, min_replicas: int = 1,
+) -> list[int]:  # fmt: skip
     """Run ``groups`` replica groups of ``script`` on this machine, named ``group-0``, ``group-1``, ... (each
     a ``ddpkit run -n 1`` child started again up to ``max_restarts`` times), with the job's lighthouse on
-    loopback in this process. Returns the first failed group's exit status, or 0 when all ended well.
+    loopback in this process (or at ``lighthouse``, one that runs already). Returns each group's exit status
+    (Ctrl-C or SIGTERM stops them all: 130 each).
 
     Raises:
         ValueError: ``groups`` below 1.
         ImportError: torchft is not installed (the message says how to install it).
     """
     if groups < 1:
-        raise ValueError(f"--nproc-per-node {groups}: with --fault-tolerance it counts replica groups (>= 1)")
-    with serve_lighthouse("127.0.0.1", min_replicas=min_replicas) as lighthouse:
-        print(f"ddpkit run: torchft's lighthouse at {lighthouse.address}", file=sys.stderr, flush=True)
-        children = [_start_group(script, script_args, f"group-{i}", lighthouse.address, max_restarts, module)
-                    for i in range(groups)]  # fmt: skip
-        return _wait(children)
+        raise ValueError(f"{groups} replica groups: start at least one")
+    if lighthouse is not None:
+        return _run_groups(script, script_args, groups, lighthouse, max_restarts, module)
+    with serve_lighthouse("127.0.0.1", min_replicas=min_replicas) as served:
+        print(f"ddpkit: torchft's lighthouse at {served.address}", file=sys.stderr, flush=True)
+        return _run_groups(script, script_args, groups, served.address, max_restarts, module)
+
+
+def _run_groups(
+    script: str, script_args: Sequence[str], groups: int, lighthouse: str, max_restarts: int, module: bool
+) -> list[int]:
+    children = [_start_group(script, script_args, f"group-{i}", lighthouse, max_restarts, module)
+                for i in range(groups)]  # fmt: skip
+    return _wait(children)
 
 
 def _start_group(
@@ -50,18 +59,17 @@ def _start_group(
     return subprocess.Popen([*command, script, *script_args], env=env)
 
 
-def _wait(children: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for every group; Ctrl-C or SIGTERM here stops them all. The first failed group's status."""
+def _wait(children: list[subprocess.Popen[bytes]]) -> list[int]:
+    """Wait for every group; Ctrl-C or SIGTERM here stops them all. Their exit statuses."""
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        statuses = [child.wait() for child in children]
-        return next((status for status in statuses if status != 0), 0)
+        return [child.wait() for child in children]
     except KeyboardInterrupt:
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
         for child in children:
             child.wait()
-        return 130
+        return [130] * len(children)
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -92,9 +92,11 @@ class ReplicaGroup:
 
     @property
     def participant_index(self) -> int | None:
-        """This group's index among the quorum's participants, ``None`` while it is recovering."""
+        """This group's index among the quorum's participants, ``None`` while it is recovering (waits for the
+        quorum). At the job's first quorum every group but one recovers from that one (torchft's ``init_sync``)
+        and still counts in :attr:`participants`: their gradients are zeros in that step's average."""
         rank = self._manager.participating_rank()
-        return None if rank is None else int(rank)
+        return None if rank is None or not self._manager.is_participating() else int(rank)
 
     @property
     def members(self) -> tuple[str, ...]:

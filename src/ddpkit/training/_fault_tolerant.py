@@ -127,6 +127,9 @@ class FaultTolerantFit:
         sums = self._share(step, epoch, low, *guess) if guess is not None else torch.zeros(2, dtype=torch.float64)
         participants, index = group.participants, group.participant_index
         self._note_members(group.members, state.global_step)
+        if group.step == 0:  # the job's first quorum: every group but one takes that one's state (torchft's init_sync)
+            self._synchronise(group)
+            return
         if (participants, index) != guess:  # another quorum than the last step's: deal the step again
             if guess is not None and guess[1] is not None:
                 state.dealt_again += 1
@@ -160,6 +163,15 @@ class FaultTolerantFit:
         every = run.checkpoint_every
         if self._writer and every and run.checkpoint_dir is not None and state.global_step % every == 0:
             run._save_checkpoint(self.position)
+
+    def _synchronise(self, group: ReplicaGroup) -> None:
+        """The job's first quorum: no items and no optimizer step. torchft gives every group of it but one (the
+        recovery source) that one's state, but still counts them in the step's average: a step trained then
+        would lose their shares."""
+        self.run.optimizer.zero_grad(set_to_none=True)
+        self._deal = None
+        if not group.commit():
+            self.run.state.failed_steps += 1
 
     def _share(self, step: torch.Tensor, epoch: int, low: int, participants: int, index: int | None) -> torch.Tensor:
         """Forward and backward of participant ``index``'s share of ``step`` (dataset indices from position

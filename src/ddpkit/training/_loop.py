@@ -25,7 +25,7 @@ from ddpkit.callbacks import Callback, CallbacksHandler
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT, torchft_settings
-from ddpkit.jobs.launch import StartMethod
+from ddpkit.jobs.launch import StartMethod, scheduler_environment
 from ddpkit.plotting import plot_history
 from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, rank_device
 from ddpkit.training._evaluation import predict_in_order
@@ -34,6 +34,7 @@ from ddpkit.training._messages import epoch_line, resume_line
 from ddpkit.training._new_processes import fit_on_new_processes
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Interval, Precision, Recipe, Scheduler, SchedulerFactory
+from ddpkit.training._replica_groups import fit_replica_groups
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import RunField, RunState
 from ddpkit.training._steps import GlobalBatch
@@ -386,16 +387,34 @@ class TrainLoop(TrainingRun):
                 constructor imports) once in the server: workers reach their
                 first step about 2 s sooner here.
 
+        With ``fault_tolerance``, the ``num_processes`` processes are replica groups (``group-0``, ...), each
+        under an elastic agent of its own that starts it again up to ``max_restarts`` times when it dies while
+        the others go on, with a lighthouse in this process on loopback (unless the settings name one); this
+        process then holds the weights and run state of the first group that finished. One machine only.
+
         Raises:
-            ValueError: the loop has ``fault_tolerance`` (each replica group is started as a process of its own).
+            ValueError: with ``fault_tolerance``: ``grad_accumulation``, ``nnodes`` or ``rdzv_endpoint`` given,
+                or a scheduler started this process.
             HangError: the job hung (after ``max_restarts`` restarts).
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """
         if self.fault_tolerance is not None:
-            raise ValueError(
-                "fit_distributed starts one job of num_processes ranks; with fault_tolerance each replica group is a "
-                "process of its own: start each (python train.py with its REPLICA_GROUP_ID) and call fit()"
-            )
+            refused = {
+                name: value
+                for name, value, default in (
+                    ("grad_accumulation", grad_accumulation, 1), ("nnodes", nnodes, 1),
+                    ("rdzv_endpoint", rdzv_endpoint, None),
+                )
+                if value != default
+            }  # fmt: skip
+            if refused or scheduler_environment() is not None:
+                raise ValueError(
+                    f"fit_distributed with fault_tolerance runs num_processes replica groups on this machine; "
+                    f"{', '.join(f'{k}={v!r}' for k, v in refused.items()) or 'under a scheduler'} cannot be "
+                    "honoured: on several machines start each group as a process of its own (its REPLICA_GROUP_ID "
+                    "and TORCHFT_LIGHTHOUSE set) and call fit()"
+                )
+            return fit_replica_groups(self, self.fault_tolerance, num_epochs, num_processes, callbacks, max_restarts)
         return fit_on_new_processes(
             self, num_epochs, num_processes, grad_accumulation, callbacks, backend=backend, max_restarts=max_restarts,
             timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,

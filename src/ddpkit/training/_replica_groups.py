@@ -1,0 +1,98 @@
+"""``TrainLoop.fit_distributed`` with fault tolerance: each of its processes a replica group under an agent of
+its own (as ``ddpkit run --fault-tolerance``), the loop pickled to them through a private directory.
+
+The parent writes ``(loop, num_epochs, callbacks, random state)`` to ``loop.pickle`` in a directory only its
+user can read (``mkdtemp``), starts the groups with ``python -m ddpkit.training._replica_groups DIRECTORY``
+as their script, and reads back what each group wrote when it finished: its weights and run state, as plain
+tensors and values (loaded with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+from collections import defaultdict
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ddpkit.callbacks import Callback
+from ddpkit.checkpoint import rng_state, set_rng_state
+from ddpkit.errors import WorkerFailedError
+from ddpkit.fault_tolerance import TorchFT
+from ddpkit.fault_tolerance._job import run_replica_groups
+from ddpkit.fault_tolerance._settings import REPLICA_ID_VARIABLE
+from ddpkit.training._state import RunState
+
+if TYPE_CHECKING:
+    from ddpkit.training._loop import TrainLoop
+
+__all__ = ["fit_replica_groups"]
+
+_LOOP_FILE = "loop.pickle"
+
+
+def fit_replica_groups(
+    loop: TrainLoop, settings: TorchFT, num_epochs: int, num_processes: int, callbacks: list[Callback] | None,
+    max_restarts: int,
+) -> dict[str, list[float]]:  # fmt: skip
+    """Train ``loop`` as ``num_processes`` replica groups of one process on this machine, each started again
+    up to ``max_restarts`` times when it dies; afterwards ``loop`` holds the weights and run state of the
+    first group that finished.
+
+    Raises:
+        WorkerFailedError: a group failed (after its restarts); no group finished.
+    """
+    directory = Path(tempfile.mkdtemp(prefix="ddpkit-replica-groups-"))
+    try:
+        # Each group takes the lighthouse and its own id from the variables its agent sets.
+        loop.fault_tolerance = replace(settings, lighthouse=None, replica_id=None)
+        try:
+            with open(directory / _LOOP_FILE, "wb") as handle:
+                pickle.dump((loop, num_epochs, callbacks, rng_state()), handle)
+        finally:
+            loop.fault_tolerance = settings
+        statuses = run_replica_groups(
+            "ddpkit.training._replica_groups", [str(directory)], groups=num_processes, max_restarts=max_restarts,
+            module=True, lighthouse=settings.lighthouse, min_replicas=settings.min_replicas,
+        )  # fmt: skip
+        finished = sorted(directory.glob("result-*.pt"))
+        failed = [(group, status) for group, status in enumerate(statuses) if status != 0]
+        if failed or not finished:
+            group, status = failed[0] if failed else (0, statuses[0])
+            raise WorkerFailedError(
+                group, status, f"replica group group-{group} exited with status {status} after its restarts "
+                f"({len(finished)} of {num_processes} groups finished; their output is above)",
+                failures={g: f"exit status {s}" for g, s in failed},
+            )  # fmt: skip
+        result = torch.load(finished[0], weights_only=True)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    loop.model.load_state_dict(result["weights"])
+    state = RunState(**result["state"])
+    state.history = defaultdict(list, state.history)
+    loop.state = state
+    return dict(state.history)
+
+
+def _run_group(directory: Path) -> None:
+    """One replica group's process: ``fit`` the pickled loop, then write this group's result."""
+    with open(directory / _LOOP_FILE, "rb") as handle:
+        loop, num_epochs, callbacks, random_state = pickle.load(handle)  # written by this user's parent
+    set_rng_state(random_state)
+    loop.fit(num_epochs, callbacks=callbacks)
+    state = {field.name: getattr(loop.state, field.name) for field in fields(RunState) if field.init}
+    state["history"] = {name: list(values) for name, values in state["history"].items()}
+    weights = {name: value.detach().cpu() for name, value in loop.model.state_dict().items()}
+    target = directory / f"result-{os.environ[REPLICA_ID_VARIABLE]}.pt"
+    torch.save({"weights": weights, "state": state}, f"{target}.partial")
+    os.replace(f"{target}.partial", target)
+
+
+if __name__ == "__main__":
+    _run_group(Path(sys.argv[1]))
