@@ -105,6 +105,33 @@ def _spawn(replica: str, lighthouse: str, out: Path) -> subprocess.Popen[bytes]:
                             start_new_session=True)  # fmt: skip
 
 
+def _finish(processes: list[subprocess.Popen[bytes]], outs: list[Path]) -> None:
+    """Wait for every process (killing one that takes over 2 minutes); each must have exited 0."""
+    for process, out in zip(processes, outs, strict=True):
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        assert process.returncode == 0, Path(f"{out}.log").read_text()[-3000:]
+
+
+def _stop_until_the_others_go_on_then_resume(
+    processes: list[subprocess.Popen[bytes]], outs: list[Path], two_went_on: Any
+) -> float:
+    """SIGSTOP the third group; once ``two_went_on(stop time)`` holds (within 8 s), SIGCONT it a second later,
+    and let all three finish. The time of the stop."""
+    os.killpg(processes[2].pid, signal.SIGSTOP)
+    stopped = time.time()
+    wait_for(lambda: two_went_on(stopped), "a step committed by the two others", processes[:2], timeout=30)
+    dropped_after = time.time() - stopped
+    time.sleep(1.0)
+    os.killpg(processes[2].pid, signal.SIGCONT)
+    _finish(processes, outs)
+    print(f"the two others committed without the stopped group {dropped_after:.1f} s after the stop")
+    assert dropped_after < 8.0, f"the others went on {dropped_after:.1f} s after the stop"
+    return stopped
+
+
 def _records(out: Path) -> list[dict[str, Any]]:
     path = Path(f"{out}.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -128,12 +155,7 @@ def test_a_killed_replica_costs_the_others_a_step_not_a_restart_and_comes_back_w
         processes[2].wait()
         again = tmp_path / "r2-again"
         processes[2] = _spawn("r2", lighthouse.address, again)
-        for process, out in zip(processes, [*outs[:2], again], strict=True):
-            try:
-                process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-            assert process.returncode == 0, Path(f"{out}.log").read_text()[-3000:]
+        _finish(processes, [*outs[:2], again])
 
     assert len(sockets) >= 7, sockets  # the lighthouse; per replica its store, manager server and gloo
     assert {address for address, _ in sockets} == {"127.0.0.1"}, sockets
@@ -164,25 +186,10 @@ def test_a_stopped_replica_is_dropped_from_the_quorum_and_takes_the_weights_back
     with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
         processes = [_spawn(f"r{i}", lighthouse.address, out) for i, out in enumerate(outs)]
         wait_for(lambda: sum(r["committed"] for r in _records(outs[2])) >= 30, "30 steps", processes, timeout=90)
-        os.killpg(processes[2].pid, signal.SIGSTOP)
-        stopped = time.time()
-
-        def without_it() -> bool:
-            return any(r["t"] > stopped and r["committed"] and r["participants"] == 2 for r in _records(outs[0]))
-
-        wait_for(without_it, "a step committed by the two others", processes[:2], timeout=30)
-        dropped_after = time.time() - stopped
-        time.sleep(1.0)
-        os.killpg(processes[2].pid, signal.SIGCONT)
-        for process, out in zip(processes, outs, strict=True):
-            try:
-                process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-            assert process.returncode == 0, Path(f"{out}.log").read_text()[-3000:]
-
-    print(f"the two others committed without the stopped group {dropped_after:.1f} s after the stop")
-    assert dropped_after < 8.0, f"the others went on {dropped_after:.1f} s after the stop"
+        stopped = _stop_until_the_others_go_on_then_resume(
+            processes, outs, lambda since: any(r["t"] > since and r["committed"] and r["participants"] == 2
+                                               for r in _records(outs[0])),
+        )  # fmt: skip
     resumed = [r for r in _records(outs[2]) if r["t"] > stopped]
     assert any(r["committed"] and r["participants"] == 3 for r in resumed), "it never rejoined the quorum"
     weights = [torch.load(f"{out}.pt") for out in outs]
@@ -203,17 +210,14 @@ def _spawn_loop(
                             start_new_session=True)  # fmt: skip
 
 
-def _finish(processes: list[subprocess.Popen[bytes]], outs: list[Path]) -> None:
-    for process, out in zip(processes, outs, strict=True):
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        assert process.returncode == 0, Path(f"{out}.log").read_text()[-3000:]
-
-
 def _steps(outs: list[Path]) -> list[dict[str, Any]]:
     return [r for out in outs for r in _records(out) if "step" in r]
+
+
+def _assert_trains_again(out: Path, since: float) -> None:
+    """The group logged to ``out`` trained items in a quorum of three after ``since``."""
+    back = [r for r in _steps([out]) if r["t"] > since]
+    assert any(r["groups"] == 3 and r["items"] for r in back), f"{out.name} never trained in a quorum of 3 again"
 
 
 def _check_every_item_once_per_epoch_and_the_weights_of_one_process(
@@ -302,24 +306,12 @@ def test_a_hung_trainloop_replica_is_dropped_named_and_rejoins_and_the_run_ends_
     with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
         processes = [_spawn_loop(f"r{i}", lighthouse.address, out) for i, out in enumerate(outs)]
         wait_for(lambda: len(_steps([outs[2]])) >= 20, "20 steps", processes, timeout=120)
-        os.killpg(processes[2].pid, signal.SIGSTOP)
-        stopped = time.time()
-
-        def without_it() -> bool:
-            return any(r["t"] > stopped and r["groups"] == 2 for r in _steps([outs[0]]))
-
-        wait_for(without_it, "a step committed by the two others", processes[:2], timeout=30)
-        dropped_after = time.time() - stopped
-        time.sleep(1.0)
-        os.killpg(processes[2].pid, signal.SIGCONT)
-        _finish(processes, outs)
-
-    print(f"the two others committed without the stopped group {dropped_after:.1f} s after the stop")
-    assert dropped_after < 8.0, f"the others went on {dropped_after:.1f} s after the stop"
+        stopped = _stop_until_the_others_go_on_then_resume(
+            processes, outs, lambda since: any(r["t"] > since and r["groups"] == 2 for r in _steps([outs[0]]))
+        )
     for out in outs[:2]:
         assert "r2 left the quorum" in Path(f"{out}.log").read_text(), "the hung group was not named"
-    resumed = [r for r in _steps([outs[2]]) if r["t"] > stopped]
-    assert any(r["groups"] == 3 and r["items"] for r in resumed), "it never trained in the quorum again"
+    _assert_trains_again(outs[2], stopped)
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
 
 
@@ -356,8 +348,7 @@ def test_a_trainloop_replica_that_hangs_inside_a_step_fails_that_step_and_is_nam
         log = Path(f"{out}.log").read_text()
         assert "step 31 was not committed" in log, log[-3000:]
         assert "r2 left the quorum" in log, log[-3000:]
-    back = [r for r in _steps([outs[2]]) if r["t"] > hung]
-    assert any(r["groups"] == 3 and r["items"] for r in back), "the hung group never trained again"
+    _assert_trains_again(outs[2], hung)
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
 
 
