@@ -76,6 +76,28 @@ def test_a_trainloop_with_fault_tolerance_needs_a_global_batch_and_its_own_proce
     assert loop.fault_tolerance == TorchFT()
 
 
+def test_a_fault_tolerant_trainloop_says_that_its_training_loader_workers_go_unused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.utils.data import DataLoader
+
+    from ddpkit.examples.digits import digits_datasets
+    from ddpkit.fault_tolerance import ReplicaGroup
+
+    def no_job(*args: Any, **kwargs: Any) -> ReplicaGroup:
+        raise RuntimeError("stop here: the warning comes before joining")
+
+    monkeypatch.setattr(TorchFT, "join", no_job)
+    train_set, _ = digits_datasets(seed=0)
+    loop = _digits_loop(loader=DataLoader(train_set, batch_size=16, num_workers=2),
+                        fault_tolerance=TorchFT("http://127.0.0.1:9", "r0"), global_batch_size=64)  # fmt: skip
+    with (
+        pytest.warns(RuntimeWarning, match=r"num_workers=2 are not used for training"),
+        pytest.raises(RuntimeError, match="stop here"),
+    ):
+        loop.fit(1)
+
+
 def test_a_fault_tolerant_trainloop_refuses_a_batch_sampler_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.utils.data import DataLoader
 

@@ -17,6 +17,7 @@ random state) is the state a recovering group takes from a healthy peer.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 class FaultTolerantFit:
     """``fit`` of ``run`` (a set-up ``TrainLoop`` in a process without a process group) as one replica group.
 
+    Warns:
+        RuntimeWarning: the training loader has DataLoader workers, which it does not use.
+
     Raises:
         ValueError: the training loader has no fixed batch size (a batch sampler), or no global order (a stream).
     """
@@ -54,6 +58,14 @@ class FaultTolerantFit:
                 "loader's batch_size; this loader has a batch sampler: build it with batch_size=..."
             )
         self.batch_size = int(loader.batch_size)
+        if loader.num_workers:
+            warnings.warn(
+                f"fault_tolerance loads each step's items in the training process (they are known only once the "
+                f"step's quorum is): the training loader's num_workers={loader.num_workers} are not used for "
+                "training (evaluation still uses its loaders' workers)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         self.dataset, self.collate = loader.dataset, loader.collate_fn
         #: Entries of the current epoch's global order done in committed steps.
         self.position = run.state.begin_epoch()
