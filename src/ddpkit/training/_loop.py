@@ -135,7 +135,10 @@ class TrainLoop(TrainingRun):
             the weights are those of a run that lost nothing, up to rounding.
             Each group evaluates the whole validation split itself (exact, the
             same in every group); checkpoints are written by one group. One
-            process per replica group: run it without a process group.
+            process per replica group: run it without a process group, or
+            start the groups with :meth:`fit_distributed` or ``ddpkit run
+            --fault-tolerance`` (one machine). The job's first quorum trains
+            nothing: torchft gives every group in it the state of one of them.
 
     Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``,
     ``validation_loader``, ``test_loader``, ``device``, ``callbacks_handler``,
