@@ -43,6 +43,8 @@ class IndexedLoop(TrainLoop):
 
     kill_at = 0
     hung = False
+    #: With ``$FT_PERTURB_AT``: this group changes its weights on its own at that step (what a bug would do).
+    perturb_at = int(os.environ.get("FT_PERTURB_AT", "0"))
     #: Where the step log goes: ``OUT.jsonl``, or ``OUT/<REPLICA_GROUP_ID>.jsonl`` with :attr:`folder`.
     out = ""
     folder = False
@@ -84,6 +86,10 @@ class IndexedLoop(TrainLoop):
             self.log.write(json.dumps({"hang": time.time(), "pid": os.getpid()}) + "\n")
             self.log.flush()
             time.sleep(8.0)
+        if self.perturb_at and self.global_step == self.perturb_at and self.dies():  # a bug's effect, once
+            self.perturb_at = 0
+            with torch.no_grad():
+                next(model.parameters()).add_(0.01)
         self.pending.append((self.attempt(), indices.tolist()))
         return nn.functional.cross_entropy(model(images), labels)
 

@@ -468,3 +468,24 @@ def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() ->
     loop = _digits_loop(fault_tolerance="torchft", global_batch_size=64)
     with pytest.raises(ValueError, match=r"nnodes='1:2' cannot be honoured: on several machines"):
         loop.fit_distributed(1, nnodes="1:2")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_groups_whose_weights_part_stop_saying_so_instead_of_training_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One of two groups changes its weights on its own at step 10 (what a bug would do): at that step both
+    see that their weights are not the quorum's (norms riding with the gradients) and stop with an error
+    naming the step, rather than end with a result that is no one process's."""
+    outs = [tmp_path / f"r{i}" for i in range(2)]
+    with serve_lighthouse("127.0.0.1", min_replicas=2) as lighthouse:
+        first = _spawn_loop("r0", lighthouse.address, outs[0], 0, 0.0)
+        monkeypatch.setenv("FT_PERTURB_AT", "10")
+        second = _spawn_loop("r1", lighthouse.address, outs[1], 0, 0.0)
+        codes = [process.wait(timeout=120) for process in (first, second)]
+    for out, code in zip(outs, codes, strict=True):
+        log = Path(f"{out}.log").read_text()
+        assert code == 1, log[-3000:]
+        assert "weights are not the other groups' at step 11" in log, log[-3000:]
+        assert max(r["step"] for r in _steps([out])) == 9, "a step was committed with the weights apart"

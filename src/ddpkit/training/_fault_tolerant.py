@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ddpkit.checkpoint import rng_state, set_rng_state
+from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
 from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
@@ -36,6 +37,17 @@ if TYPE_CHECKING:
 __all__ = ["FaultTolerantFit"]
 
 log = logging.getLogger(__name__)
+
+
+def _weight_norms(model: torch.nn.Module) -> torch.Tensor:
+    """``(2,)`` float64 on the CPU: the L1 norm and the squared L2 norm of ``model``'s parameters (one copy to
+    the CPU per device)."""
+    per_device: dict[torch.device, torch.Tensor] = {}
+    for parameter in model.parameters():
+        flat = parameter.detach()
+        norms = torch.stack([torch.linalg.vector_norm(flat, order, dtype=torch.float64) ** order for order in (1, 2)])
+        per_device[flat.device] = per_device[flat.device] + norms if flat.device in per_device else norms
+    return sum((norms.cpu() for norms in per_device.values()), torch.zeros(2, dtype=torch.float64))
 
 
 class FaultTolerantFit:
@@ -148,8 +160,12 @@ class FaultTolerantFit:
             run.optimizer.zero_grad(set_to_none=True)
             sums = self._share(step, epoch, low, participants, index)
         self._deal = (participants, index)
-        if group.average_gradients(model.parameters(), also=sums):  # the loss sums ride with the gradients
-            sums *= participants  # their mean over the participants -> their sum
+        own = _weight_norms(model) if index is not None else torch.zeros(2, dtype=torch.float64)
+        riding = torch.cat([sums, own])  # the loss sums and the weights' norms ride with the gradients
+        if group.average_gradients(model.parameters(), also=riding):
+            sums = riding[:2] * participants  # their mean over the participants -> their sum
+            if index is not None:
+                self._check_same_weights(own, riding[2:], state.global_step + 1)
         if not group.commit():
             run.optimizer.zero_grad(set_to_none=True)
             state.failed_steps += 1
@@ -175,6 +191,24 @@ class FaultTolerantFit:
         every = run.checkpoint_every
         if self._writer and every and run.checkpoint_dir is not None and state.global_step % every == 0:
             run._save_checkpoint(self.position)
+
+    def _check_same_weights(self, own: torch.Tensor, mean: torch.Tensor, step: int) -> None:
+        """Raise when this group's weights are not the quorum's: ``own`` (this group's L1 norm and squared L2
+        norm of its parameters) against their ``mean`` over the participants (float32 after the all-reduce).
+
+        Raises:
+            DDPKitError: they differ by more than 1e-5 (relative); every group of the quorum raises.
+        """
+        own32 = own.float()
+        if bool(torch.all((mean - own32).abs() <= 1e-5 * own32.abs().clamp(min=1.0))):
+            return
+        raise DDPKitError(
+            f"replica group {self.settings.replica_id}: its weights are not the other groups' at step {step} (L1 "
+            f"norm {float(own[0]):.8g} and squared L2 norm {float(own[1]):.8g}; their mean over the quorum "
+            f"{float(mean[0]):.8g} and {float(mean[1]):.8g}): the groups no longer train one model and the result "
+            "would not be that of one process, so every group stops here. Restart the job from its last "
+            "checkpoint, and please report this as a bug of ddpkit's fault tolerance"
+        )
 
     def _synchronise(self, group: ReplicaGroup) -> None:
         """The job's first quorum: no items and no optimizer step. torchft gives every group of it but one (the
