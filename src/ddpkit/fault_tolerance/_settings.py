@@ -20,6 +20,10 @@ class TorchFT:
     """Per-step fault tolerance on torchft for ``TrainLoop(fault_tolerance=TorchFT(...))``
     (``fault_tolerance="torchft"`` is ``TorchFT()``: everything from the environment).
 
+    The arguments of torchft's ``torchft.Manager`` that a replica group needs, by their meaning:
+    ``lighthouse_addr``, ``replica_id``, ``min_replica_size``, ``timeout`` and ``quorum_timeout`` (seconds
+    here, ``timedelta`` there); ddpkit picks the rest (its store, transport and servers on one address).
+
     Args:
         lighthouse: the lighthouse's address, ``http://HOST:PORT`` (:func:`serve_lighthouse`); default
             ``$TORCHFT_LIGHTHOUSE`` (torchft's variable).
