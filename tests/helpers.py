@@ -22,10 +22,13 @@ __all__ = [
     "SETTLED_FORK",
     "StopAfter",
     "alive",
+    "in_a_namespace",
     "job_environment",
     "listening_sockets",
     "refused",
+    "rendezvous_handler",
     "settle_dying_threads",
+    "state_holder",
 ]
 
 
@@ -143,3 +146,45 @@ def wait_for(condition: Any, what: str, processes: list[subprocess.Popen[bytes]]
                     os.killpg(process.pid, signal.SIGKILL)
             pytest.fail(f"waited in vain for {what}")
         time.sleep(0.02)
+
+
+def rendezvous_handler(
+    store: Any, secret: bytes | None, monkeypatch: pytest.MonkeyPatch, run_id: str = "job", nodes: int = 1
+) -> Any:
+    """torch's rendezvous handler for one node, created through torch's registry as the agent creates it."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+
+    from ddpkit.jobs import _rendezvous
+
+    if secret is None:
+        monkeypatch.delenv(_rendezvous.SECRET_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(_rendezvous.SECRET_VARIABLE, secret.decode())
+    _rendezvous.register()
+    monkeypatch.setattr(_rendezvous, "PEER_GRACE_S", 0.0)  # no peer agent to wait for
+    endpoint = f"127.0.0.1:{store.port}"
+    params = RendezvousParameters(
+        _rendezvous.BACKEND, endpoint, run_id, nodes, nodes, is_host="false", last_call_timeout=1
+    )
+    return rendezvous_handler_registry.create_handler(params)
+
+
+def state_holder(handler: Any) -> Any:
+    """torch's holder of the handler's state, syncing with the store at every call (no cache)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
+
+    return _BackendRendezvousStateHolder(handler._state_holder._backend, handler._settings, cache_duration=0)
+
+
+def in_a_namespace(mode: str, out: Path) -> dict[str, Any]:
+    """Run ``tests/netns_job.py MODE OUT`` in a network namespace of its own; its ``result.json``."""
+    import json
+    import sys
+
+    subprocess.run(
+        ["unshare", "-n", sys.executable, "-m", "tests.netns_job", mode, str(out)],
+        check=True, timeout=200, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    return result

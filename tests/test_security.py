@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 import signal
@@ -37,7 +36,7 @@ from ddpkit.jobs._agent import rendezvous
 from ddpkit.jobs._agent import rendezvous_store as rendezvous_store_of_agent
 from ddpkit.jobs._agent_log import agent_log
 from ddpkit.testing import run_parallel
-from tests.helpers import listening_sockets, refused
+from tests.helpers import in_a_namespace, listening_sockets, refused, rendezvous_handler, state_holder
 
 # 127.0.0.2 is another address of this machine's loopback interface: a socket bound to every
 # interface answers there, one bound to 127.0.0.1 does not. Nothing here leaves the machine.
@@ -212,29 +211,6 @@ def test_the_launcher_log_is_a_new_private_file_that_a_planted_symlink_cannot_re
 _REFUSED = r"rendezvous state in the store at 127\.0\.0\.1:\d+ \(key torch\.rendezvous\.job\) .* was refused: "
 
 
-def _rendezvous_handler(store: TCPStore, secret: bytes | None, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """torch's rendezvous handler for one node, created through torch's registry as the agent creates it."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
-
-    if secret is None:
-        monkeypatch.delenv(_rendezvous.SECRET_VARIABLE, raising=False)
-    else:
-        monkeypatch.setenv(_rendezvous.SECRET_VARIABLE, secret.decode())
-    _rendezvous.register()
-    monkeypatch.setattr(_rendezvous, "PEER_GRACE_S", 0.0)  # no peer agent to wait for
-    endpoint = f"127.0.0.1:{store.port}"
-    params = RendezvousParameters(_rendezvous.BACKEND, endpoint, "job", 1, 1, is_host="false", last_call_timeout=1)
-    return rendezvous_handler_registry.create_handler(params)
-
-
-def _state_holder(handler: Any) -> Any:
-    """torch's holder of the handler's state, syncing with the store at every call (no cache)."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
-
-    return _BackendRendezvousStateHolder(handler._state_holder._backend, handler._settings, cache_duration=0)
-
-
 @pytest.fixture
 def rendezvous_store() -> Any:
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -250,7 +226,7 @@ def _write(store: TCPStore, raw: bytes) -> None:
 def test_a_rendezvous_of_real_agents_passes_the_check(
     rendezvous_store: TCPStore, secret: bytes | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    handler = _rendezvous_handler(rendezvous_store, secret, monkeypatch)
+    handler = rendezvous_handler(rendezvous_store, secret, monkeypatch)
     assert handler.get_backend() == "ddpkit"
     info = handler.next_rendezvous()  # writes the state (signed with a secret), reads it back, completes
     assert (info.rank, info.world_size) == (0, 1)
@@ -269,7 +245,7 @@ def test_a_pickle_that_would_run_code_is_refused_before_it_is_loaded(
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
     marker = tmp_path / "ran"
-    holder = _state_holder(_rendezvous_handler(rendezvous_store, None, monkeypatch))
+    holder = state_holder(rendezvous_handler(rendezvous_store, None, monkeypatch))
     state = _RendezvousState()
     state.closed = _Exploit(str(marker))  # type: ignore[assignment]  # inside a real state
     for payload, named in (
@@ -296,7 +272,7 @@ def test_1000_random_and_truncated_states_are_each_refused_with_the_clear_error(
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    holder = _state_holder(_rendezvous_handler(rendezvous_store, None, monkeypatch))
+    holder = state_holder(rendezvous_handler(rendezvous_store, None, monkeypatch))
     real = _RendezvousState()
     real.participants = {_NodeDesc("10.0.0.1", 100, 0): 0, _NodeDesc("10.0.0.2", 200, 0): 1}
     real.last_heartbeats = {node: datetime.now(UTC) for node in real.participants}
@@ -342,12 +318,13 @@ def test_with_a_secret_a_forged_state_that_adds_a_node_is_refused(
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
-    handler = _rendezvous_handler(rendezvous_store, b"s3cret", monkeypatch)
+    handler = rendezvous_handler(rendezvous_store, b"s3cret", monkeypatch)
     handler.next_rendezvous()
-    holder = _state_holder(handler)
+    holder = state_holder(handler)
     holder.sync()
     signed = base64.b64decode(rendezvous_store.get("torch.rendezvous.job"))
-    head, state = signed[:51], pickle.loads(signed[51:])  # the test reads its own store
+    at = len(_rendezvous._SIGNED) + _rendezvous._DIGEST + 8  # marker, signature, counter
+    head, state = signed[:at], pickle.loads(signed[at:])  # the test reads its own store
     state.participants[_NodeDesc("10.9.9.9", 1, 0)] = 1
     forged = pickle.dumps(state)
     for raw, why in (
@@ -358,7 +335,7 @@ def test_with_a_secret_a_forged_state_that_adds_a_node_is_refused(
         with pytest.raises(_rendezvous.StateRefusedError, match=_REFUSED + why):
             holder.sync()
     monkeypatch.delenv(_rendezvous.SECRET_VARIABLE)
-    unsigned = _state_holder(_rendezvous_handler(rendezvous_store, None, monkeypatch))
+    unsigned = state_holder(rendezvous_handler(rendezvous_store, None, monkeypatch))
     _write(rendezvous_store, signed)
     with pytest.raises(_rendezvous.StateRefusedError, match="it is signed with a job secret and this node has none"):
         unsigned.sync()
@@ -415,15 +392,6 @@ def test_ddpkit_run_reads_the_secret_file_and_names_one_it_cannot_use(
         _rendezvous.use_job_secret(None)
 
 
-def _in_a_namespace(mode: str, out: Path) -> dict[str, Any]:
-    subprocess.run(
-        ["unshare", "-n", sys.executable, "-m", "tests.netns_job", mode, str(out)],
-        check=True, timeout=200, cwd=Path(__file__).parent.parent,
-    )  # fmt: skip
-    result: dict[str, Any] = json.loads((out / "result.json").read_text())
-    return result
-
-
 def _readme_listeners() -> list[str]:
     """The first cells of the README's table of what listens during a job."""
     text = (Path(__file__).parent.parent / "README.md").read_text()
@@ -439,7 +407,7 @@ def test_a_stranger_on_a_two_node_jobs_network_runs_nothing_and_the_agents_say_w
     """In a namespace whose loopback carries 10.77.0.1, the rendezvous host: a two-node `ddpkit run` listens there
     and on loopback only, every listener is one the README's table lists, and a pickle written to the rendezvous
     state never runs: both agents stop with the refusal."""
-    result = _in_a_namespace("attack", tmp_path)
+    result = in_a_namespace("attack", tmp_path)
     assert result["started"], result["logs"]
     host, port = result["rendezvous"]
     workers = {int(worker["RANK"]): worker for worker in result["workers"]}
@@ -472,7 +440,7 @@ def test_a_stranger_on_a_two_node_jobs_network_runs_nothing_and_the_agents_say_w
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_a_two_node_job_over_ipv6_listens_on_the_rendezvous_address_and_loopback_only(tmp_path: Path) -> None:
-    result = _in_a_namespace("ipv6", tmp_path)
+    result = in_a_namespace("ipv6", tmp_path)
     assert result["started"], result["logs"]
     assert result["exit_codes"] == [0, 0], result["logs"]
     host, port = result["rendezvous"]
@@ -487,10 +455,13 @@ def test_a_two_node_job_over_ipv6_listens_on_the_rendezvous_address_and_loopback
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_with_a_secret_a_stranger_cannot_add_a_node_to_a_two_node_job(tmp_path: Path) -> None:
-    result = _in_a_namespace("forged", tmp_path)
+    result = in_a_namespace("forged", tmp_path)
     assert result["started"], result["logs"]  # signed states: the job ran
     assert result["participants_before"] == 2
     assert result["stopped"], result
     for log in result["logs"]:
         assert "no job secret" not in log
-        assert "was refused: its signature does not match this node's job secret. Nothing of it ran." in log
+        assert (
+            "was refused: its signature does not match this node's job secret (every node needs the same "
+            "DDPKIT_JOB_SECRET), or it was signed for another job. Nothing of it ran." in log
+        )

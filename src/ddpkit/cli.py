@@ -180,8 +180,8 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         "--secret-file",
         default=None,
         metavar="PATH",
-        help="a file holding the job secret, the same on every node: rendezvous states are signed with it "
-        "(instead of DDPKIT_JOB_SECRET; see the README, 'Security')",
+        help="a file holding the job secret, the same on every node: the rendezvous is signed with it and every "
+        "rank proves that it holds it (instead of DDPKIT_JOB_SECRET; see the README, 'Security')",
     )
 
 
@@ -204,7 +204,7 @@ def _use_secret_file(command: str, path: str | None) -> int | None:
         return None
     try:
         with open(path, "rb") as handle:
-            use_job_secret(handle.read())
+            use_job_secret(handle.read(), f"--secret-file {path}")
     except (OSError, ValueError) as error:
         return _fail(command, f"--secret-file {path}: {error}", status=2)
     return None

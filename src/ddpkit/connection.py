@@ -23,6 +23,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ddpkit._group_proof import PROOF_COLLECTIVES, gloo_addresses, prove_members
+from ddpkit._secret import job_secret
 from ddpkit._stores import release_store, serve_store
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback, launched_environment
 from ddpkit.environments.base import check_resolves
@@ -164,6 +166,11 @@ def init_dist_connection(
     loopback, gloo is also pinned to the loopback interface unless
     ``GLOO_SOCKET_IFNAME`` is set, so nothing listens beyond this machine.
 
+    With a job secret, every rank proves right after the group is made that
+    it holds the secret (a challenge and response over the group's own
+    connections, two all-gathers of 32 bytes), so that a program outside the
+    job that took a rank's place is found before any of the job's data moves.
+
     Raises:
         RuntimeError: ``torch.distributed`` is not available in this build.
         ValueError: an unknown or unavailable backend (the message lists the valid
@@ -173,6 +180,10 @@ def init_dist_connection(
             could agree on, inconsistent environment variables, or a master
             address that does not resolve (naming it and where it came from).
         DDPKitError: a group exists with a different rank or world size.
+        GroupProofError: with a job secret (``DDPKIT_JOB_SECRET``, or
+            ``ddpkit run --secret-file``), a member of the new group could not
+            prove that it holds it; the group was destroyed before any data
+            moved through it.
     """
     if not dist.is_available():
         raise RuntimeError(
@@ -229,8 +240,33 @@ def init_dist_connection(
         release_store(_served_port)
         _served_port = None
         raise
+    secret = job_secret()
+    proved = secret is not None and size > 1
+    if secret is not None and proved:
+        _prove_members(secret, address, port)
+    world = dist.group.WORLD
+    if world is not None:  # the hang report numbers the user's collectives from 1
+        watchdog.count_own_collectives(world.group_name, PROOF_COLLECTIVES if proved else 0)
     if deadline is not None:
         watchdog.start_watchdog(deadline)
+
+
+def _prove_members(secret: bytes, address: str, port: int) -> None:
+    """Every rank of the new default group proves that it holds the job secret; else the group is destroyed here.
+
+    The proof is bound to the store the ranks met at and the job's run id (torchrun's), so that a proof made
+    for another group or job does not verify.
+    """
+    global _served_port
+    context = f"default group|{address}:{port}|{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    try:
+        prove_members(None, context, secret, addresses=gloo_addresses)
+    except BaseException:
+        dist.destroy_process_group()
+        release_store(_served_port)
+        _served_port = None
+        raise
+    log.info("every rank of the default group proved that it holds the job secret")
 
 
 def ensure_dist_connection() -> bool:

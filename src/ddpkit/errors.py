@@ -10,6 +10,7 @@ __all__ = [
     "ClusterEnvironmentError",
     "CollectiveMismatchError",
     "DDPKitError",
+    "GroupProofError",
     "HangError",
     "PortTakenError",
     "RendezvousFailedError",
@@ -136,6 +137,26 @@ class RendezvousFailedError(DDPKitError):
     The message names the endpoint, the number of nodes expected, how long this
     node waited, and what to check.
     """
+
+
+class GroupProofError(DDPKitError):
+    """A member of a new process group could not prove that it holds the job secret.
+
+    Raised on every rank that holds the secret, right after the group was made
+    and before any of the job's data moved through it; the group is torn down.
+    The message names each member that failed (its rank and, where the backend
+    says, its address) and why (a wrong proof, or none within the deadline).
+
+    Attributes:
+        members: ``{rank in the group: address or ""}`` of each member that failed.
+    """
+
+    def __init__(self, message: str, members: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.members = dict(members or {})
+
+    def __reduce__(self) -> tuple[type[GroupProofError], tuple[str, dict[int, str]]]:
+        return (type(self), (str(self), self.members))
 
 
 class WarningDDP(UserWarning):

@@ -51,6 +51,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "REPORT_DIR_VARIABLE",
     "TIMEOUT_VARIABLE",
+    "count_own_collectives",
     "enable_flight_recorder",
     "hang_timeout",
     "paused",
@@ -75,6 +76,14 @@ _ANSWER_WINDOW = 5.0
 _current: Watchdog | None = None
 _pauses = 0
 _lock = threading.Lock()
+#: Per process group (by name): the collectives ddpkit itself ran on it before the user's first (the group
+#: proof), which the report does not count, so that it numbers the user's collectives from 1.
+_own_collectives: dict[str, int] = {}
+
+
+def count_own_collectives(group_name: str, count: int) -> None:
+    """Say that ddpkit ran ``count`` collectives of its own on the group ``group_name`` before the user's first."""
+    _own_collectives[group_name] = count
 
 
 def enable_flight_recorder() -> None:
@@ -280,7 +289,11 @@ def _recorded_groups() -> dict[str, GroupState]:
     """Per process group: its description, members (when the recorder knows them) and latest collective."""
     from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
 
-    dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=True))
+    # Stack traces only when a collective is still waiting: formatting them imports torch._inductor (seconds),
+    # which a rank that spins in Python while holding the GIL most of the time would not finish in time.
+    dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False))
+    if any(not entry.get("retired", True) for entry in dump.get("entries", [])):
+        dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=True))
     configs = dump.get("pg_config", {})
     now = time.time_ns()
     groups: dict[str, GroupState] = {}
@@ -288,7 +301,9 @@ def _recorded_groups() -> dict[str, GroupState]:
         if entry.get("is_p2p"):
             continue
         name, description = [*entry.get("process_group", ()), "", ""][:2]
-        seq = int(entry.get("collective_seq_id", 0))
+        seq = int(entry.get("collective_seq_id", 0)) - _own_collectives.get(name, 0)
+        if seq <= 0:
+            continue  # ddpkit's own, before the user's first
         group = groups.setdefault(name, {"desc": description or name, "ranks": _members(configs, name, description)})
         if "last" in group and group["last"].get("seq", 0) > seq:
             continue

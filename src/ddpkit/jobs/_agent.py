@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error
+from ddpkit._secret import SECRET_VARIABLE, export_job_secret, job_secret, new_job_secret
 from ddpkit._stores import hosting_address, release_store, route_address, serve_store
 from ddpkit.environments import is_loopback
 from ddpkit.environments.base import check_resolves
@@ -65,6 +66,7 @@ _AGENT_ENV = (
     "OMP_NUM_THREADS",
     FAILURE_DIR_VARIABLE,
     TIMEOUT_VARIABLE,
+    SECRET_VARIABLE,
 )
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
@@ -155,14 +157,23 @@ def rendezvous(nnodes: int | str, rdzv_endpoint: str | None, run_id: str | None)
 
 
 @contextmanager
-def agent_scope() -> Iterator[str]:
+def agent_scope(nnodes: int | str = 1) -> Iterator[str]:
     """Set up one launch: each restart attempt gets its own store, workers get a failure-record
-    directory (yielded); afterwards, undo what the agent changed in this process."""
+    directory (yielded) and the job secret; afterwards, undo what the agent changed in this process.
+
+    The workers find the job secret in their environment (``DDPKIT_JOB_SECRET``):
+    the one this process has (the variable, or ``ddpkit run --secret-file``),
+    or on a single node without one, a fresh secret of this job's own, so that
+    nobody else on the machine can take a rank either.
+    """
     saved_env = {name: os.environ.get(name) for name in _AGENT_ENV}
     saved_signals = _current_handlers()
     failure_dir = tempfile.mkdtemp(prefix="ddpkit-failures-")
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[FAILURE_DIR_VARIABLE] = failure_dir
+    if job_secret() is None and node_range(nnodes)[1] == 1:
+        os.environ[SECRET_VARIABLE] = new_job_secret().decode()
+    export_job_secret(os.environ)
     try:
         yield failure_dir
     finally:
@@ -177,9 +188,16 @@ def agent_scope() -> Iterator[str]:
 
 
 @contextmanager
-def rendezvous_store(endpoint: str, nnodes: int | str, configs: Mapping[str, Any]) -> Iterator[str]:
+def rendezvous_store(
+    endpoint: str, nnodes: int | str, configs: Mapping[str, Any], run_id: str = "ddpkit"
+) -> Iterator[str]:
     """Host the rendezvous store on the endpoint's address alone when this node hosts it; yield the
     endpoint with its real port (a free one for port 0).
+
+    With a job secret, the host writes the job's id (signed) into its new store
+    before any agent joins (:func:`~ddpkit.jobs._rendezvous.claim_job`): every
+    signature of the rendezvous binds it, so nothing signed in an earlier job
+    passes in this one.
 
     This node hosts it when the endpoint is loopback, when ``configs`` say
     ``is_host``, or, without ``is_host``, when the endpoint names this machine
@@ -198,9 +216,26 @@ def rendezvous_store(endpoint: str, nnodes: int | str, configs: Mapping[str, Any
     if is_loopback(host) or _hosts_rendezvous(host, configs):
         served = serve_store(hosting_address(host), int(port), if_taken="peer" if several else "raise")
     try:
+        if served is not None and job_secret() is not None:
+            _claim_job(hosting_address(host), served, run_id)
         yield endpoint if served is None else f"{host}:{served}"
     finally:
         release_store(served)
+
+
+def _claim_job(address: str, port: int, run_id: str) -> None:
+    """Write the job's id into the store this node just started (see :func:`rendezvous_store`)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    secret = job_secret()
+    assert secret is not None
+    client = TCPStore(address, port, is_master=False, timeout=timedelta(seconds=30))
+    try:
+        _rendezvous.claim_job(client, run_id, f"{address}:{port}", secret, first=True)
+    except _rendezvous.StateRefusedError as refusal:
+        raise RendezvousFailedError(str(refusal)) from None
 
 
 def _hosts_rendezvous(host: str, configs: Mapping[str, Any]) -> bool:

@@ -11,24 +11,29 @@ protocol) and checks each state it hands back:
   ``pickle.Unpickler.find_class``, as Python's pickle documentation shows), and
   what it builds must have that state's fields and types;
 * with a job secret (``DDPKIT_JOB_SECRET``, or :func:`use_job_secret` from
-  ``ddpkit run --secret-file``), every state is signed with HMAC-SHA256 over
-  the run id and the state, so a process without the secret can neither run
-  code nor add a node.
+  ``ddpkit run --secret-file``), everything a node reads from the store to
+  form the job is signed with HMAC-SHA256 and checked before use: the state,
+  and every key of a round (``MASTER_ADDR``, ``MASTER_PORT``, the assigned
+  ranks, ...: :class:`SignedRoundStore`). Each signature binds the job (a
+  random job id that the store's host writes first, signed, under
+  :func:`job_key`), the run id and, for a key, its round; each state carries
+  a counter that only grows, so a replayed older state of this job, or any
+  state of an earlier job with the same secret and run id, is refused.
 
-A state that fails is refused with :class:`StateRefusedError` (a torch
-``RendezvousStateError``) naming the store and the reason; nothing of it ran.
+A state or key that fails is refused with :class:`StateRefusedError` (a torch
+``RendezvousStateError``) naming the store, the key and the reason; nothing of
+it ran or was used.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import io
 import os
 import pickle
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
@@ -41,9 +46,21 @@ from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
+    RendezvousSettings,
     Token,
     _NodeDesc,
     _RendezvousState,
+    _RendezvousStateHolder,
+)
+
+from ddpkit._secret import (
+    DIGEST_BYTES,
+    SECRET_VARIABLE,
+    job_secret,
+    new_job_secret,
+    secret_source,
+    tag,
+    use_job_secret,
 )
 
 __all__ = [
@@ -51,10 +68,14 @@ __all__ = [
     "PEER_GRACE_S",
     "SECRET_VARIABLE",
     "CheckedBackend",
+    "JobId",
+    "SignedRoundStore",
     "StateRefusedError",
     "check_state",
+    "claim_job",
     "default_run_id",
     "forget_refusals",
+    "job_key",
     "job_secret",
     "last_refusal",
     "register",
@@ -64,15 +85,15 @@ __all__ = [
 
 #: The name of ddpkit's rendezvous backend in torch's registry (``--rdzv-backend``).
 BACKEND = "ddpkit"
-#: The environment variable that holds the job secret.
-SECRET_VARIABLE = "DDPKIT_JOB_SECRET"
 #: Where the README explains what is checked, and how to set the secret.
 README_SECTION = 'the README section "Security"'
 #: Seconds an agent waits after its first refusal before it stops (see ``CheckedBackend._refused``).
 PEER_GRACE_S = 3.0
-#: A signed state starts with this, then the 32-byte HMAC-SHA256, then torch's pickle.
-_SIGNED = b"ddpkit-hmac-sha256\0"
-_DIGEST = hashlib.sha256().digest_size
+#: A signed state starts with this, then the 32-byte HMAC-SHA256, the state's 8-byte counter, then torch's pickle.
+_SIGNED = b"ddpkit-hmac-sha256-v2\0"
+_DIGEST = DIGEST_BYTES
+#: A signed value of a round's key, or the job id, starts with this, then the 32-byte HMAC-SHA256, then the value.
+_SIGNED_VALUE = b"ddpkit-signed-value\0"
 #: Larger than any real state (about 100 bytes per node); a bigger one is refused unread.
 _MAX_STATE_BYTES = 16 * 2**20
 #: What a rendezvous state's pickle names: torch's two classes and the datetimes of its deadlines and heartbeats.
@@ -87,7 +108,6 @@ _ALLOWED = {
 _JOB_ID_VARIABLES = ("SLURM_JOB_ID", "LSB_JOBID", "PBS_JOBID", "FLUX_JOB_ID", "JOB_ID")
 
 _T = TypeVar("_T")
-_secret_override: bytes | None = None
 #: The last refusal in this process since :func:`forget_refusals` (what a launch that failed otherwise reports).
 _last_refusal: StateRefusedError | None = None
 _warned: set[str] = set()
@@ -95,26 +115,6 @@ _warned: set[str] = set()
 
 class StateRefusedError(RendezvousStateError):
     """A rendezvous state failed ddpkit's check; it was not unpickled."""
-
-
-def use_job_secret(secret: bytes | None) -> None:
-    """Sign and check this process's rendezvous states with ``secret`` (``None``: back to ``DDPKIT_JOB_SECRET``).
-
-    Raises:
-        ValueError: an empty secret.
-    """
-    global _secret_override
-    if secret is not None and not secret.strip():
-        raise ValueError("the job secret is empty; put at least 16 random bytes in it (e.g. `openssl rand -hex 32`)")
-    _secret_override = secret.strip() if secret is not None else None
-
-
-def job_secret() -> bytes | None:
-    """The job secret: the one given to :func:`use_job_secret`, else ``DDPKIT_JOB_SECRET``, else ``None``."""
-    if _secret_override is not None:
-        return _secret_override
-    value = os.environ.get(SECRET_VARIABLE, "").strip()
-    return value.encode() if value else None
 
 
 def default_run_id() -> str | None:
@@ -163,31 +163,152 @@ def register() -> None:
 
 
 def _create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """torch's c10d handler over :class:`CheckedBackend` (what torch's registry calls for ``"ddpkit"``)."""
+    """torch's c10d handler over :class:`CheckedBackend`, its rounds' keys signed (what torch's registry calls for
+    ``"ddpkit"``)."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     inner, store = create_backend(params)
     endpoint = params.endpoint or "(no endpoint)"
-    return create_handler(store, CheckedBackend(inner, params.run_id, endpoint, job_secret()), params)
+    secret = job_secret()
+    job = claim_job(store, params.run_id, endpoint, secret) if secret is not None else None
+    backend = CheckedBackend(inner, params.run_id, endpoint, secret, job)
+    handler = create_handler(store, backend, params)
+    if job is None:
+        return handler
+    # torch's handler, as torch's parameters made it, whose rounds' stores sign and check every value.
+    return _SignedRoundsHandler(
+        handler._this_node, handler._settings, handler._backend_name, handler._store, handler._state_holder, backend
+    )
+
+
+class _SignedRoundsHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous handler whose round stores are :class:`SignedRoundStore` (with a job secret)."""
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        settings: RendezvousSettings,
+        backend_name: str,
+        store: Any,
+        state_holder: _RendezvousStateHolder,
+        checked: CheckedBackend,
+    ) -> None:
+        super().__init__(node, settings, backend_name, store, state_holder)
+        self._checked_backend = checked
+
+    def _wrap_store(self, store: Any) -> Any:
+        prefix = f"torch.rendezvous.{self._settings.run_id}.{self._state_holder.state.round}/"
+        return SignedRoundStore(super()._wrap_store(store), self._checked_backend, prefix, self._settings.max_nodes)
+
+
+def job_key(run_id: str) -> str:
+    """The store key of a job's id (beside torch's ``torch.rendezvous.<run_id>``)."""
+    return f"ddpkit.rendezvous.{run_id}.job"
+
+
+class JobId(bytes):
+    """The random id of one job (16 bytes), which every signature of its rendezvous binds."""
+
+
+def claim_job(store: Any, run_id: str, endpoint: str, secret: bytes, *, first: bool = False) -> JobId:
+    """The job's id in ``store``: a fresh one, signed, if none is there yet, else the one there once it verifies.
+
+    The agent that hosts the store calls it with ``first=True`` right after the
+    store starts: a job id already there was written by someone else, and is
+    refused. The others take the host's.
+
+    Raises:
+        StateRefusedError: the id there is not signed with ``secret`` (or,
+            with ``first``, is not this agent's).
+    """
+    key = job_key(run_id)
+    fresh = new_job_secret()[:32]
+    mine = _seal(secret, "job", run_id, fresh)
+    stored = bytes(store.compare_set(key, "", mine))
+    where = f"the job id in the store at {endpoint} (key {key})"
+    if first and stored != mine:
+        raise _refusal(where, "the store is new, yet someone wrote a job id before this agent", endpoint, None)
+    try:
+        return JobId(_unseal(secret, "job", run_id, stored))
+    except _RefusalError as refusal:
+        raise _refusal(where, refusal, endpoint, None) from None
+
+
+def _seal(secret: bytes, purpose: str, label: str, value: bytes) -> bytes:
+    return _SIGNED_VALUE + tag(secret, purpose, label, value) + value
+
+
+def _unseal(secret: bytes, purpose: str, label: str, stored: bytes) -> bytes:
+    if not stored.startswith(_SIGNED_VALUE):
+        raise _RefusalError(f"it is not signed, and this node has a job secret ({_secret_hint()})")
+    signature = stored[len(_SIGNED_VALUE) : len(_SIGNED_VALUE) + _DIGEST]
+    value = stored[len(_SIGNED_VALUE) + _DIGEST :]
+    if not hmac.compare_digest(signature, tag(secret, purpose, label, value)):
+        raise _RefusalError(
+            f"its signature does not match this node's job secret ({_secret_hint()}), or it was signed for "
+            "another job or round"
+        )
+    return value
+
+
+def _secret_hint() -> str:
+    """How this node got its secret, and what every node needs."""
+    source = secret_source()
+    return (
+        f"this node's is from {source}; every node needs the same one"
+        if source != SECRET_VARIABLE
+        else (f"every node needs the same {SECRET_VARIABLE}")
+    )
+
+
+def _refusal(where: str, reason: object, endpoint: str, since: list[float] | None) -> StateRefusedError:
+    """The refusal of what is at ``where``, returned once :data:`PEER_GRACE_S` have passed since ``since[0]``.
+
+    The agents read the state about once a second; the first one to refuse
+    waits, with its workers still running and its store (if it hosts it)
+    still up, so that every other agent reads the same state and says why
+    it stops, instead of seeing only its peer go.
+    """
+    if since is not None:
+        now = time.monotonic()
+        if not since:
+            since.append(now)
+        time.sleep(max(0.0, since[0] + PEER_GRACE_S - now))
+    global _last_refusal
+    _last_refusal = StateRefusedError(
+        f"{where} was not written by a rendezvous agent of this job and was refused: {reason}. Nothing of it "
+        f"ran. A program that can reach {endpoint} wrote it: firewall the port to the job's nodes, "
+        f"and set a job secret on every node ({SECRET_VARIABLE} or `ddpkit run --secret-file`); see {README_SECTION}"
+    )
+    return _last_refusal
 
 
 class CheckedBackend(RendezvousBackend):
     """torch's c10d rendezvous backend, whose states are checked (and signed, with a secret) on the way.
+
+    With a secret, each state carries a counter one above the last state this
+    agent saw; a state whose counter is below the highest this agent has seen
+    (a replay) is refused.
 
     Args:
         inner: torch's ``C10dRendezvousBackend`` over the rendezvous store.
         run_id: the rendezvous id (signed with the state: a state of another job does not verify).
         endpoint: ``HOST:PORT`` of the store, for the refusal's message.
         secret: the job secret, or ``None`` (states checked, not signed).
+        job: the job's id (:func:`claim_job`), signed with every state; with a secret only.
     """
 
-    def __init__(self, inner: RendezvousBackend, run_id: str, endpoint: str, secret: bytes | None) -> None:
+    def __init__(
+        self, inner: RendezvousBackend, run_id: str, endpoint: str, secret: bytes | None, job: JobId | None = None
+    ) -> None:
         self._inner = inner
         self._run_id = run_id
         self._endpoint = endpoint
         self._secret = secret
-        self._refused_since: float | None = None
+        self._job = job or JobId()
+        self._refused_since: list[float] = []
+        self._highest = 0
 
     @property
     def name(self) -> str:
@@ -201,7 +322,7 @@ class CheckedBackend(RendezvousBackend):
         return self._admit(state), token
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
-        signed = self._sign(state)
+        signed = self._sign(state, self._highest + 1)
         result = self._read(lambda: self._inner.set_state(signed, token))
         if result is None:
             return None
@@ -219,35 +340,21 @@ class CheckedBackend(RendezvousBackend):
                 raise _last_refusal from None
             raise
 
-    def _refused(self, reason: object) -> StateRefusedError:
-        """The refusal, returned once :data:`PEER_GRACE_S` have passed since this backend's first one.
+    def _refused(self, reason: object, key: str | None = None) -> StateRefusedError:
+        where = f"the rendezvous state in the store at {self._endpoint} (key torch.rendezvous.{self._run_id})"
+        if key is not None:
+            where = f"the value of {key} in the store at {self._endpoint}"
+        return _refusal(where, reason, self._endpoint, self._refused_since)
 
-        The agents read the state about once a second; the first one to refuse
-        waits, with its workers still running and its store (if it hosts it)
-        still up, so that every other agent reads the same state and says why
-        it stops, instead of seeing only its peer go.
-        """
-        now = time.monotonic()
-        if self._refused_since is None:
-            self._refused_since = now
-        time.sleep(max(0.0, self._refused_since + PEER_GRACE_S - now))
-        global _last_refusal
-        _last_refusal = StateRefusedError(
-            f"the rendezvous state in the store at {self._endpoint} (key torch.rendezvous.{self._run_id}) was "
-            f"not written by a rendezvous agent of this job and was refused: {reason}. Nothing of it ran. A "
-            f"program that can reach {self._endpoint} wrote it: firewall the port to the job's nodes, and set a "
-            f"job secret on every node ({SECRET_VARIABLE} or `ddpkit run --secret-file`); see {README_SECTION}"
-        )
-        return _last_refusal
-
-    def _sign(self, state: bytes) -> bytes:
+    def _sign(self, state: bytes, counter: int) -> bytes:
         if self._secret is None:
             return state
-        return _SIGNED + self._digest(state) + state
+        count = counter.to_bytes(8, "big")
+        return _SIGNED + self._digest(count, state) + count + state
 
-    def _digest(self, state: bytes) -> bytes:
+    def _digest(self, count: bytes, state: bytes) -> bytes:
         assert self._secret is not None
-        return hmac.new(self._secret, self._run_id.encode() + b"\0" + state, hashlib.sha256).digest()
+        return tag(self._secret, "state", self._job, self._run_id, count, state)
 
     def _admit(self, stored: bytes) -> bytes:
         """The pickle inside ``stored`` once it passed; else :class:`StateRefusedError`."""
@@ -264,17 +371,117 @@ class CheckedBackend(RendezvousBackend):
             if signed:
                 raise _RefusalError(
                     f"it is signed with a job secret and this node has none (set the same {SECRET_VARIABLE} on "
-                    "every node)"
+                    "every node, or pass the same `ddpkit run --secret-file`)"
                 )
             return stored
         if not signed:
+            raise _RefusalError(f"it is not signed, and this node has a job secret ({_secret_hint()})")
+        at = len(_SIGNED)
+        signature, count, state = (
+            stored[at : at + _DIGEST],
+            stored[at + _DIGEST : at + _DIGEST + 8],
+            stored[at + _DIGEST + 8 :],
+        )
+        if not hmac.compare_digest(signature, self._digest(count, state)):
             raise _RefusalError(
-                f"it is not signed, and this node has a job secret (every node needs the same {SECRET_VARIABLE})"
+                f"its signature does not match this node's job secret ({_secret_hint()}), or it was signed for "
+                "another job"
             )
-        tag, state = stored[len(_SIGNED) : len(_SIGNED) + _DIGEST], stored[len(_SIGNED) + _DIGEST :]
-        if not hmac.compare_digest(tag, self._digest(state)):
-            raise _RefusalError("its signature does not match this node's job secret")
+        counter = int.from_bytes(count, "big")
+        if counter < self._highest:
+            raise _RefusalError(
+                f"it is an older state of this job, replayed (its counter is {counter}; this node has read "
+                f"{self._highest})"
+            )
+        self._highest = counter
         return state
+
+    def seal(self, key: str, value: bytes) -> bytes:
+        """``value`` of a round's ``key``, signed for this job (see :class:`SignedRoundStore`)."""
+        assert self._secret is not None
+        return _seal(self._secret, "key", f"{self._job.hex()}/{self._run_id}/{key}", value)
+
+    def unseal(self, key: str, stored: bytes) -> bytes:
+        """The value of ``key`` once its signature verified; else :class:`StateRefusedError`."""
+        assert self._secret is not None
+        try:
+            return _unseal(self._secret, "key", f"{self._job.hex()}/{self._run_id}/{key}", stored)
+        except _RefusalError as refusal:
+            raise self._refused(refusal, key) from None
+
+
+class SignedRoundStore:
+    """A round's store as torch's agent uses it (``MASTER_ADDR``, ``MASTER_PORT``, ranks, barriers), each value
+    signed when set and checked when read.
+
+    torch's agents hand each other the process group's address and the ranks
+    through plain keys of the round's store; here ``set``/``multi_set`` sign
+    and ``get``/``multi_get`` check (a value without this job's signature for
+    that round and key is refused), and the rest (``add``, ``wait``, ...) is
+    the store's own.
+
+    An agent that refuses a value also writes a signed refusal into each of
+    the round's keys that no agent has written yet (``MASTER_ADDR``, the
+    ranks, ...), so that the agents waiting on them stop at once and say why,
+    instead of waiting for the store's timeout.
+    """
+
+    def __init__(self, inner: Any, backend: CheckedBackend, prefix: str, nodes: int = 1) -> None:
+        self._inner = inner
+        self._backend = backend
+        self._prefix = prefix
+        self._nodes = nodes
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._inner.set(key, self._backend.seal(self._prefix + key, _bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, bytes(self._inner.get(key)))
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        sealed = [
+            self._backend.seal(self._prefix + key, _bytes(value)) for key, value in zip(keys, values, strict=True)
+        ]
+        self._inner.multi_set(list(keys), sealed)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        found = self._inner.multi_get(list(keys))
+        return [self._open(key, bytes(value)) for key, value in zip(keys, found, strict=True)]
+
+    def _open(self, key: str, stored: bytes) -> bytes:
+        try:
+            value = self._backend.unseal(self._prefix + key, stored)
+        except StateRefusedError as refusal:
+            self._tell_the_others(str(refusal))
+            raise
+        if value.startswith(_PEER_REFUSED):
+            raise StateRefusedError(
+                f"another agent of this job stopped the rendezvous: {value[len(_PEER_REFUSED) :].decode()}"
+            )
+        return value
+
+    def _tell_the_others(self, reason: str) -> None:
+        """Write the refusal, signed, into every key of this round that the agents wait on and nobody wrote yet."""
+        keys = ["MASTER_ADDR", "MASTER_PORT"]
+        for node in range(max(self._nodes, 2)):
+            keys += [f"torchelastic/role_info/{node}", f"torchelastic/assigned_ranks/{node}"]
+        for key in keys:
+            try:
+                sealed = self._backend.seal(self._prefix + key, _PEER_REFUSED + reason.encode())
+                self._inner.compare_set(key, "", sealed)
+            except Exception:  # the store is gone: nobody waits on it any more
+                return
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+#: What a round's key holds when an agent refused the round: this, then why.
+_PEER_REFUSED = b"\0ddpkit-refused\0"
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 class _RefusalError(Exception):

@@ -186,7 +186,7 @@ def launch(
     if start_method == "forkserver":
         start_forkserver()
     endpoint, rdzv_id, local_addr = rendezvous(nnodes, rdzv_endpoint, run_id)
-    with agent_scope() as failure_dir, rendezvous_store(endpoint, nnodes, configs) as endpoint:
+    with agent_scope(nnodes) as failure_dir, rendezvous_store(endpoint, nnodes, configs, rdzv_id) as endpoint:
         config = LaunchConfig(
             min_nodes=min_nodes,
             max_nodes=max_nodes,
@@ -299,7 +299,7 @@ def run_script(
     min_nodes, max_nodes = node_range(nnodes)
     configs = rdzv_configs(join_timeout, rdzv_conf)
     endpoint, rdzv_id, local_addr = rendezvous(nnodes, rdzv_endpoint, run_id)
-    with agent_scope() as failure_dir, rendezvous_store(endpoint, nnodes, configs) as endpoint:
+    with agent_scope(nnodes) as failure_dir, rendezvous_store(endpoint, nnodes, configs, rdzv_id) as endpoint:
         os.environ[TIMEOUT_VARIABLE] = str(deadline or 0)  # read by every worker's watchdog
         argv = [
             f"--nnodes={min_nodes}:{max_nodes}",

@@ -1,0 +1,221 @@
+"""Every member of a new process group proves that it holds the job secret, before the job's data moves (private).
+
+A challenge and response over the group itself, so that what is proven is who
+is at the other end of the group's own connections (not who wrote a key to a
+store): each member draws a fresh random nonce, the group all-gathers them,
+then each member all-gathers its HMAC tag over the group's context (the job,
+the round, the store it met at), its rank and every nonce. Each member checks
+every other member's tag. A member without the secret cannot make its tag,
+cannot reuse one made for another rank, group or round, and learns nothing it
+could use: only random nonces and tags move. A group where any tag is wrong, or
+where the proof does not finish within :data:`PROOF_TIMEOUT_S`, raises
+:class:`~ddpkit.errors.GroupProofError` on every member that holds the secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit._secret import secret_source, tag
+from ddpkit.errors import GroupProofError
+
+__all__ = [
+    "GUIDE",
+    "NONCE_BYTES",
+    "PROOF_COLLECTIVES",
+    "PROOF_TIMEOUT_S",
+    "TIMEOUT_VARIABLE",
+    "gloo_addresses",
+    "proof_timeout",
+    "prove_members",
+]
+
+#: Where users read what the job secret protects and how to give it.
+GUIDE = 'the README section "Security"'
+
+#: Seconds a member waits for the others' nonces, then for their tags, unless ``DDPKIT_PROOF_TIMEOUT`` says.
+PROOF_TIMEOUT_S = 60.0
+#: The environment variable that sets the proof's deadline, in seconds.
+TIMEOUT_VARIABLE = "DDPKIT_PROOF_TIMEOUT"
+#: Collectives the proof runs on the group (two all-gathers).
+PROOF_COLLECTIVES = 2
+#: Bytes of each member's random nonce.
+NONCE_BYTES = 32
+_PURPOSE = "ddpkit group proof v1"
+
+
+def prove_members(
+    group: dist.ProcessGroup | None,
+    context: str,
+    secret: bytes,
+    *,
+    timeout: float | None = None,
+    addresses: Callable[[], dict[int, str]] | None = None,
+) -> None:
+    """Check that every member of ``group`` holds ``secret``; every member must call it, with the same ``context``.
+
+    While it runs, the group's own timeout is ``timeout`` (then restored), so
+    a member that does not take part fails the exchange instead of blocking
+    it: the group can then be destroyed at once.
+
+    Args:
+        group: the new group (``None``: the default group).
+        context: what the group is, the same text on every honest member
+            (e.g. the job, its round and the store the members met at): a
+            proof made for another group does not verify here.
+        secret: the job secret.
+        timeout: seconds to wait for each of the two exchanges (default
+            :func:`proof_timeout`).
+        addresses: each member's address by its rank in the group, for the
+            message (e.g. :func:`gloo_addresses`); read before the exchange.
+
+    Raises:
+        GroupProofError: a member's proof was wrong, or the proofs did not
+            arrive within ``timeout`` (naming the members and the fix).
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if size == 1:
+        return
+    timeout = proof_timeout() if timeout is None else timeout
+    found = _addresses_now(addresses)
+    device = _device(group)
+    restore = _timeout_of(group)
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
+    nonce = torch.tensor(list(os.urandom(NONCE_BYTES)), dtype=torch.uint8, device=device)
+    nonces = _exchange(nonce, group, rank, size, timeout, found, "nonces")
+    seen = b"".join(nonces)
+    mine = torch.tensor(list(tag(secret, _PURPOSE, context, size, rank, seen)), dtype=torch.uint8, device=device)
+    tags = _exchange(mine, group, rank, size, timeout, found, "proofs")
+    failed = [
+        member
+        for member in range(size)
+        if member != rank and not hmac.compare_digest(tags[member], tag(secret, _PURPOSE, context, size, member, seen))
+    ]
+    if failed:
+        raise GroupProofError(
+            f"{_members(failed, found)} of this process group could not prove that it holds the job secret "
+            f"({secret_source()}): its proof does not match. The group was torn down before any "
+            "of the job's data moved through it. Either a program outside the job took that place in the group, or "
+            f"that process was given another secret: give every process of the job the same one; see {GUIDE}",
+            dict.fromkeys(failed, ""),
+        )
+    if restore is not None:
+        dist.distributed_c10d._set_pg_timeout(restore, group)
+
+
+def proof_timeout() -> float:
+    """``DDPKIT_PROOF_TIMEOUT`` (seconds), else :data:`PROOF_TIMEOUT_S`.
+
+    Raises:
+        ValueError: the variable is not a positive number (naming its value).
+    """
+    text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not text:
+        return PROOF_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(
+            f"{TIMEOUT_VARIABLE}={text!r} must be a number of seconds above 0 (default {PROOF_TIMEOUT_S:g})"
+        )
+    return value
+
+
+def _exchange(
+    value: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    size: int,
+    timeout: float,
+    found: dict[int, str],
+    what: str,
+) -> list[bytes]:
+    """Every member's ``value`` (fixed-size bytes), all-gathered (within the group's timeout, set to ``timeout``)."""
+    gathered = [torch.empty_like(value) for _ in range(size)]
+    try:
+        dist.all_gather(gathered, value, group=group)
+    except Exception as exc:
+        others = [member for member in range(size) if member != rank]
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise GroupProofError(
+            f"the members of this process group did not all prove that they hold the job secret "
+            f"({secret_source()}): the exchange of {what} with {_members(others, found)} failed or took "
+            f"more than {timeout:g} s ({first_line}). The group was torn down before any of the job's data moved "
+            "through it. Either a program outside the job took a place in the group, or a member runs without the "
+            f"secret or without ddpkit's set-up: give every process of the job the same secret; see {GUIDE}",
+            dict.fromkeys(others, ""),
+        ) from None
+    return [bytes(item.cpu().tolist()) for item in gathered]
+
+
+def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
+    """The group's own timeout, to restore after the proof (``None`` where the backend does not say)."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+        found = pg._get_backend(device).options._timeout
+    except Exception:  # another backend, or another torch
+        return None
+    return found if isinstance(found, timedelta) else None
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _members(ranks: list[int], found: dict[int, str]) -> str:
+    named = [f"{member} (at {found[member]})" if found.get(member) else str(member) for member in ranks]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(named)
+
+
+def _addresses_now(addresses: Callable[[], dict[int, str]] | None) -> dict[int, str]:
+    try:
+        return addresses() if addresses is not None else {}
+    except Exception:  # the message must not fail for want of an address
+        return {}
+
+
+def gloo_addresses(group: dist.ProcessGroup | None = None) -> dict[int, str]:
+    """``{rank in the group: "HOST:PORT"}``: where each member of a gloo ``group`` said it listens, as gloo wrote it
+    in the default group's store when the group was made (``{}`` where that cannot be read).
+
+    This is what the other members connected to, so for a member that is not
+    who it should be, it is the address of whoever took its place.
+    """
+    try:
+        store: Any = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        name, size = pg.group_name, dist.get_world_size(group)
+        keys = {f"default_pg/{name}//cpu//0/{member}": member for member in range(size)}
+        present = [key for key in keys if store.check([key])]
+        return {keys[key]: address for key in present if (address := _sockaddr(bytes(store.get(key))))}
+    except Exception:  # another backend or store: the message goes without addresses
+        return {}
+
+
+def _sockaddr(data: bytes) -> str:
+    """The first IPv4 or IPv6 socket address (``sockaddr_in``/``sockaddr_in6``, as Linux lays them out) in ``data``."""
+    for offset in range(len(data) - 8):
+        family = int.from_bytes(data[offset : offset + 2], "little")
+        port = int.from_bytes(data[offset + 2 : offset + 4], "big")
+        if family == socket.AF_INET and port:
+            return f"{ipaddress.IPv4Address(data[offset + 4 : offset + 8])}:{port}"
+        if family == socket.AF_INET6 and port and offset + 24 <= len(data):
+            return f"[{ipaddress.IPv6Address(data[offset + 8 : offset + 24])}]:{port}"
+    return ""
