@@ -21,8 +21,12 @@ from tests.helpers import listening_sockets, refused, wait_for
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 
-STEPS = 150
+# The survivors' steps after a kill must outlast a restarted group's start (Python, torch and torchft: 7-9 s on
+# the 2-core machine), else they finish before it is back: 260 steps of about 0.08 s, and TrainLoop steps of
+# STEP_DELAY_S (39 of them after the kill at step 30).
+STEPS = 300
 KILL_AT = 40
+STEP_DELAY_S = 0.35
 
 
 def test_a_missing_torchft_is_named_with_the_install_command() -> None:
@@ -223,7 +227,7 @@ def test_a_stopped_replica_is_dropped_from_the_quorum_and_takes_the_weights_back
 
 
 def _spawn_loop(
-    replica: str, lighthouse: str, out: Path, kill_at: int = 0, delay: float = 0.15, *extra: str
+    replica: str, lighthouse: str, out: Path, kill_at: int = 0, delay: float = STEP_DELAY_S, *extra: str
 ) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "tests.ft_trainloop", replica, lighthouse, str(out), str(kill_at), str(delay),
                *extra]  # fmt: skip
@@ -406,7 +410,7 @@ def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_
     two others keep their processes and commit within 2 s; group-2's agent starts it again, it takes the
     state from a peer and trains in a quorum of three; every item once per epoch, weights of one process."""
     command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", "3", "--max-restarts", "1",
-               "-m", "tests.ft_trainloop", "-", "-", str(tmp_path), "30", "0.15"]  # fmt: skip
+               "-m", "tests.ft_trainloop", "-", "-", str(tmp_path), "30", str(STEP_DELAY_S)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -454,7 +458,7 @@ def test_fit_distributed_with_fault_tolerance_restarts_a_killed_group_and_hands_
     monkeypatch.setenv("RUST_LOG", "warn")
     loop = build_loop(TorchFT(timeout=5.0, quorum_timeout=30.0))
     loop.kill_at, loop.kill_group, loop.out, loop.folder = 30, "group-2", str(tmp_path), True
-    history = loop.fit_distributed(EPOCHS, num_processes=3, max_restarts=1, callbacks=[StepLog(0.15)])
+    history = loop.fit_distributed(EPOCHS, num_processes=3, max_restarts=1, callbacks=[StepLog(STEP_DELAY_S)])
     assert loop.global_step == 3 * 23, "the steps of three epochs of 1437 items in steps of 64"
     torch.save(loop.model.state_dict(), tmp_path / "fit.pt")
     (tmp_path / "fit.json").write_text(json.dumps(history))
