@@ -202,6 +202,21 @@ def _real_master(port: int) -> tuple[str, int]:
     raise RuntimeError("no MASTER_ADDR in the rendezvous store")
 
 
+def _start_agents(endpoint: str, script: Path, out: Path, env: dict[str, str]) -> list[tuple[Any, Any]]:
+    """The job's two agents (``is_host=true`` first, which binds the store), each logging to ``agent-NAME.log``."""
+    agents = []
+    for name, is_host in (("host", "true"), ("other", "false")):
+        command = [
+            sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "-n", "1",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", RUN_ID, "--rdzv-conf", f"is_host={is_host}",
+            str(script), str(out),
+        ]  # fmt: skip
+        log = open(out / f"agent-{name}.log", "w")  # noqa: SIM115 - closed when the agents are done
+        agents.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        time.sleep(1)  # the host's agent binds first
+    return agents
+
+
 def main(mode: str, out: Path) -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     subprocess.run(["ip", "addr", "add", f"{HOST}/32", "dev", "lo"], check=True)
@@ -218,16 +233,7 @@ def main(mode: str, out: Path) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if mode == "forged":
         env["DDPKIT_JOB_SECRET"] = "a secret only the job's nodes have"
-    agents = []
-    for name, is_host in (("host", "true"), ("other", "false")):
-        command = [
-            sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "-n", "1",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", RUN_ID, "--rdzv-conf", f"is_host={is_host}",
-            str(script), str(out),
-        ]  # fmt: skip
-        log = open(out / f"agent-{name}.log", "w")  # noqa: SIM115 - closed when the agents are done
-        agents.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-        time.sleep(1)  # the host's agent binds first
+    agents = _start_agents(endpoint, script, out, env)
     result: dict[str, Any] = {"rendezvous": [host, port]}
     try:
         result["started"] = _wait_for(lambda: len(list(out.glob("worker-*.json"))) == 2, 90)
@@ -278,17 +284,8 @@ def _secret_job(mode: str, out: Path) -> None:
         stranger = _stranger_group(out, 0, STRANGER, stranger_port)
         hijacker = threading.Thread(target=_keep_hijacking, args=(port, stranger_port, done.is_set), daemon=True)
     hijacker.start()
-    agents = []
     started = time.monotonic()
-    for name, is_host in (("host", "true"), ("other", "false")):
-        command = [
-            sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "-n", "1",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", RUN_ID, "--rdzv-conf", f"is_host={is_host}",
-            str(script), str(out),
-        ]  # fmt: skip
-        log = open(out / f"agent-{name}.log", "w")  # noqa: SIM115 - closed when the agents are done
-        agents.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-        time.sleep(1)  # the host's agent binds first
+    agents = _start_agents(endpoint, script, out, env)
     try:
         if mode == "takeover":
             master = _real_master(port)

@@ -242,7 +242,8 @@ def init_dist_connection(
         raise
     secret = job_secret()
     proved = secret is not None and size > 1
-    if secret is not None and proved:
+    if proved:
+        assert secret is not None
         _prove_members(secret, address, port)
     world = dist.group.WORLD
     if world is not None:  # the hang report numbers the user's collectives from 1
