@@ -20,9 +20,11 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -125,6 +127,46 @@ def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), global_batch_size=GLOBAL_BATCH,
         progress=False, fault_tolerance=fault_tolerance,
     )  # fmt: skip
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    path = Path(f"{out}.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def steps(outs: list[Path]) -> list[dict[str, Any]]:
+    return [r for out in outs for r in records(out) if "step" in r]
+
+
+def check_against_one_process(outs: list[Path], finals: list[Path], count: bool = True) -> None:
+    """Every training item in exactly one committed step per epoch (counted from what each group trained
+    on), and every group's final weights within 1e-5 of one process trained on the same global batches."""
+    reference = build_loop(None)
+    history = reference.fit(EPOCHS)
+    items = len(reference.train_loader.dataset)
+    committed = steps(outs)
+    for epoch in range(EPOCHS if count else 0):
+        counted = Counter(i for r in committed if r["epoch"] == epoch for i in r["items"])
+        assert sorted(counted) == list(range(items)), f"epoch {epoch}: {items - len(counted)} items never used"
+        assert set(counted.values()) == {1}, f"epoch {epoch}: items used twice: {counted.most_common(3)}"
+    expected = reference.model.state_dict()
+    finals_weights = {final.name: torch.load(f"{final}.pt") for final in finals}
+
+    def gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+    between = {f"{a}-{b}": gap(finals_weights[a], finals_weights[b]) for a in finals_weights for b in finals_weights
+               if a < b}  # fmt: skip
+    for final in finals:
+        off = gap(finals_weights[final.name], expected)
+        assert off < 1e-5, (
+            f"{final.name}: {off:.2e} from the run that lost nothing; between the groups: {between}; train losses: "
+            f"{ {f.name: json.loads(Path(f'{f}.json').read_text())['train_loss'] for f in finals} } against "
+            f"{history['train_loss']}; steps per group: { {o.name: len(steps([o])) for o in outs} }"
+        )
+        kept = json.loads(Path(f"{final}.json").read_text())
+        assert kept["train_loss"] == pytest.approx(history["train_loss"], rel=1e-5)
+        assert kept["validation_accuracy"] == pytest.approx(history["validation_accuracy"], abs=1e-9)
 
 
 def main(replica: str, lighthouse: str, out: str, kill_at: int, delay: float, checkpoint_dir: str | None) -> None:

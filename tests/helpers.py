@@ -135,6 +135,16 @@ class StopAfter(Callback):
             raise KeyboardInterrupt(f"stopped at the start of epoch {self.epoch}")
 
 
+def holds_within(condition: Any, seconds: float) -> bool:
+    """Whether ``condition()`` holds within ``seconds`` (polled every 0.1 s)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def wait_for(condition: Any, what: str, processes: list[subprocess.Popen[bytes]], timeout: float = 120) -> None:
     """Poll ``condition`` until it holds; on a timeout, or when one of ``processes`` failed, kill their process
     groups and fail the test naming ``what`` it waited for."""
@@ -177,14 +187,15 @@ def state_holder(handler: Any) -> Any:
     return _BackendRendezvousStateHolder(handler._state_holder._backend, handler._settings, cache_duration=0)
 
 
-def in_a_namespace(mode: str, out: Path) -> dict[str, Any]:
-    """Run ``tests/netns_job.py MODE OUT`` in a network namespace of its own; its ``result.json``."""
+def in_a_namespace(mode: str, out: Path, module: str = "tests.netns_job", timeout: float = 200) -> dict[str, Any]:
+    """Run ``python -m MODULE [MODE] OUT`` (default tests/netns_job.py) in a network namespace of its own; its
+    ``result.json``."""
     import json
     import sys
 
     subprocess.run(
-        ["unshare", "-n", sys.executable, "-m", "tests.netns_job", mode, str(out)],
-        check=True, timeout=200, cwd=Path(__file__).parent.parent,
+        ["unshare", "-n", sys.executable, "-m", module, *([mode] if mode else []), str(out)],
+        check=True, timeout=timeout, cwd=Path(__file__).parent.parent,
     )  # fmt: skip
     result: dict[str, Any] = json.loads((out / "result.json").read_text())
     return result

@@ -33,7 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import listening_sockets
+from tests.helpers import holds_within, listening_sockets
 
 HOST = "10.77.0.1"
 HOST6 = "fd77::1"
@@ -115,15 +115,6 @@ def _free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
-def _wait_for(condition: Any, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _store(port: int) -> Any:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -161,6 +152,12 @@ def _stranger_group(out: Path, rank: int, store_host: str, store_port: int) -> s
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((host, port)) == 0
+
+
 def _keep_hijacking(port: int, stranger_port: int, stop: Any) -> None:
     """Write the first rounds' MASTER_ADDR/MASTER_PORT and assigned ranks, again and again, until ``stop()``."""
     from datetime import timedelta
@@ -169,6 +166,9 @@ def _keep_hijacking(port: int, stranger_port: int, stop: Any) -> None:
 
     store = None
     while not stop():
+        if store is None and not _listening(HOST, port):  # TCPStore's own retries back off for seconds
+            time.sleep(0.005)
+            continue
         try:
             store = store or TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=2))
             for round_ in range(4):
@@ -236,7 +236,7 @@ def main(mode: str, out: Path) -> None:
     agents = _start_agents(endpoint, script, out, env)
     result: dict[str, Any] = {"rendezvous": [host, port]}
     try:
-        result["started"] = _wait_for(lambda: len(list(out.glob("worker-*.json"))) == 2, 90)
+        result["started"] = holds_within(lambda: len(list(out.glob("worker-*.json"))) == 2, 90)
         workers = [json.loads(path.read_text()) for path in sorted(out.glob("worker-*.json"))]
         result["workers"] = workers
         result["listeners"] = {
@@ -251,7 +251,7 @@ def main(mode: str, out: Path) -> None:
             else:
                 (out / "stop").touch()
         acted = time.monotonic()
-        result["stopped"] = _wait_for(lambda: all(agent.poll() is not None for agent, _ in agents), 60)
+        result["stopped"] = holds_within(lambda: all(agent.poll() is not None for agent, _ in agents), 60)
         result["seconds_to_stop"] = round(time.monotonic() - acted, 1)
     finally:
         for agent, log in agents:
@@ -291,7 +291,7 @@ def _secret_job(mode: str, out: Path) -> None:
             master = _real_master(port)
             result["master"] = list(master)
             stranger = _stranger_group(out, 1, *master)
-        result["stopped"] = _wait_for(lambda: all(agent.poll() is not None for agent, _ in agents), 120)
+        result["stopped"] = holds_within(lambda: all(agent.poll() is not None for agent, _ in agents), 120)
         result["seconds"] = round(time.monotonic() - started, 1)
     finally:
         done.set()

@@ -17,6 +17,11 @@ import torch
 from ddpkit.errors import RendezvousFailedError
 from ddpkit.fault_tolerance import TorchFT, serve_lighthouse
 from ddpkit.fault_tolerance._torchft import torchft_module, url_host
+from tests.ft_trainloop import (
+    check_against_one_process as _check_every_item_once_per_epoch_and_the_weights_of_one_process,
+)
+from tests.ft_trainloop import records as _records
+from tests.ft_trainloop import steps as _steps
 from tests.helpers import listening_sockets, refused, wait_for
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
@@ -158,11 +163,6 @@ def _stop_until_the_others_go_on_then_resume(
     return stopped
 
 
-def _records(out: Path) -> list[dict[str, Any]]:
-    path = Path(f"{out}.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_a_killed_replica_costs_the_others_a_step_not_a_restart_and_comes_back_with_their_weights(
@@ -236,51 +236,10 @@ def _spawn_loop(
                             start_new_session=True)  # fmt: skip
 
 
-def _steps(outs: list[Path]) -> list[dict[str, Any]]:
-    return [r for out in outs for r in _records(out) if "step" in r]
-
-
 def _assert_trains_again(out: Path, since: float) -> None:
     """The group logged to ``out`` trained items in a quorum of three after ``since``."""
     back = [r for r in _steps([out]) if r["t"] > since]
     assert any(r["groups"] == 3 and r["items"] for r in back), f"{out.name} never trained in a quorum of 3 again"
-
-
-def _check_every_item_once_per_epoch_and_the_weights_of_one_process(
-    outs: list[Path], finals: list[Path], count: bool = True
-) -> None:
-    """Every training item in exactly one committed step per epoch (counted from what each group trained
-    on), and every group's final weights within 1e-5 of one process trained on the same global batches."""
-    from collections import Counter
-
-    from tests.ft_trainloop import EPOCHS, build_loop
-
-    reference = build_loop(None)
-    history = reference.fit(EPOCHS)
-    items = len(reference.train_loader.dataset)
-    steps = _steps(outs)
-    for epoch in range(EPOCHS if count else 0):
-        counted = Counter(i for r in steps if r["epoch"] == epoch for i in r["items"])
-        assert sorted(counted) == list(range(items)), f"epoch {epoch}: {items - len(counted)} items never used"
-        assert set(counted.values()) == {1}, f"epoch {epoch}: items used twice: {counted.most_common(3)}"
-    expected = reference.model.state_dict()
-    finals_weights = {final.name: torch.load(f"{final}.pt") for final in finals}
-
-    def gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-        return max(float((a[k] - b[k]).abs().max()) for k in b)
-
-    between = {f"{a}-{b}": gap(finals_weights[a], finals_weights[b]) for a in finals_weights for b in finals_weights
-               if a < b}  # fmt: skip
-    for final in finals:
-        off = gap(finals_weights[final.name], expected)
-        assert off < 1e-5, (
-            f"{final.name}: {off:.2e} from the run that lost nothing; between the groups: {between}; train losses: "
-            f"{ {f.name: json.loads(Path(f'{f}.json').read_text())['train_loss'] for f in finals} } against "
-            f"{history['train_loss']}; steps per group: { {o.name: len(_steps([o])) for o in outs} }"
-        )
-        kept = json.loads(Path(f"{final}.json").read_text())
-        assert kept["train_loss"] == pytest.approx(history["train_loss"], rel=1e-5)
-        assert kept["validation_accuracy"] == pytest.approx(history["validation_accuracy"], abs=1e-9)
 
 
 @pytest.mark.e2e

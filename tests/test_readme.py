@@ -84,6 +84,7 @@ def test_every_python_block_of_the_readme_runs_as_written(block: str, tmp_path: 
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(180)  # two runs of the example (5 epochs each): 57 s on the idle 2-core machine
 def test_the_train_loop_example_says_when_its_checkpoint_dir_holds_a_finished_run(tmp_path: Path) -> None:
     script = str(ROOT / "examples" / "train_loop.py")
     first = _run([script], tmp_path).stdout.splitlines()

@@ -18,14 +18,14 @@ import hmac
 import ipaddress
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpkit._secret import secret_source, tag
+from ddpkit._secret import DIGEST_BYTES, secret_source, tag
 from ddpkit.errors import GroupProofError
 
 __all__ = [
@@ -34,9 +34,12 @@ __all__ = [
     "PROOF_COLLECTIVES",
     "PROOF_TIMEOUT_S",
     "TIMEOUT_VARIABLE",
+    "SignedStore",
+    "check_members",
     "gloo_addresses",
     "proof_timeout",
     "prove_members",
+    "sockaddr",
 ]
 
 #: Where users read what the job secret protects and how to give it.
@@ -51,6 +54,7 @@ PROOF_COLLECTIVES = 2
 #: Bytes of each member's random nonce.
 NONCE_BYTES = 32
 _PURPOSE = "ddpkit group proof v1"
+_STORE_PURPOSE = "ddpkit group store v1"
 
 
 def prove_members(
@@ -86,30 +90,71 @@ def prove_members(
     if size == 1:
         return
     timeout = proof_timeout() if timeout is None else timeout
-    found = _addresses_now(addresses)
+    found = {member: f"at {address}" for member, address in _addresses_now(addresses).items()}
     device = _device(group)
     restore = _timeout_of(group)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
+
+    def all_gather(value: torch.Tensor) -> list[torch.Tensor]:
+        gathered = [torch.empty_like(value) for _ in range(size)]
+        dist.all_gather(gathered, value, group=group)
+        return gathered
+
+    check_members(all_gather, rank, size, context, secret, timeout=timeout, names=found, device=device)
+    if restore is not None:
+        dist.distributed_c10d._set_pg_timeout(restore, group)
+
+
+def check_members(
+    all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
+    rank: int,
+    size: int,
+    context: str,
+    secret: bytes,
+    *,
+    timeout: float,
+    names: Mapping[int, str] | Callable[[], Mapping[int, str]] | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """The proof itself, over any group: ``all_gather(tensor)`` returns every member's ``tensor`` (a list of
+    ``size``, in rank order) and raises when the group fails or times out. Every member must call it.
+
+    Args:
+        all_gather: the group's all-gather of one fixed-size ``uint8`` tensor.
+        rank: this member's rank in the group.
+        size: the group's size.
+        context: what the group is, the same text on every honest member.
+        secret: the job secret.
+        timeout: the seconds after which ``all_gather`` gives up (for the message).
+        names: what to call each member in a message (e.g. ``"at 10.0.0.2:4312"``), by rank; or a function
+            that reads them, called only for a message.
+        device: where the tensors go (default CPU).
+
+    Raises:
+        GroupProofError: a member's proof was wrong or the exchange failed (naming the members).
+    """
+    describe = _describer(names)
+    device = device or torch.device("cpu")
     nonce = torch.tensor(list(os.urandom(NONCE_BYTES)), dtype=torch.uint8, device=device)
-    nonces = _exchange(nonce, group, rank, size, timeout, found, "nonces")
+    nonces = _exchange(all_gather, nonce, rank, size, timeout, describe, "nonces")
     seen = b"".join(nonces)
     mine = torch.tensor(list(tag(secret, _PURPOSE, context, size, rank, seen)), dtype=torch.uint8, device=device)
-    tags = _exchange(mine, group, rank, size, timeout, found, "proofs")
+    tags = _exchange(all_gather, mine, rank, size, timeout, describe, "proofs")
     failed = [
         member
         for member in range(size)
         if member != rank and not hmac.compare_digest(tags[member], tag(secret, _PURPOSE, context, size, member, seen))
     ]
     if failed:
+        names = describe()
         raise GroupProofError(
-            f"{_members(failed, found)} of this process group could not prove that it holds the job secret "
-            f"({secret_source()}): its proof does not match. The group was torn down before any "
-            "of the job's data moved through it. Either a program outside the job took that place in the group, or "
-            f"that process was given another secret: give every process of the job the same one; see {GUIDE}",
-            dict.fromkeys(failed, ""),
+            f"{_members(failed, names)} of this process group could not prove that "
+            f"{'it holds' if len(failed) == 1 else 'they hold'} the job secret ({secret_source()}): "
+            f"{'its proof does' if len(failed) == 1 else 'their proofs do'} not match. The group was torn down before "
+            "any of the job's data moved through it. Either a program outside the job took a place in the group, or "
+            f"a process of the job was given another secret: give every process of the job the same one; see {GUIDE}",
+            {member: names.get(member, "") for member in failed},
         )
-    if restore is not None:
-        dist.distributed_c10d._set_pg_timeout(restore, group)
 
 
 def proof_timeout() -> float:
@@ -133,30 +178,44 @@ def proof_timeout() -> float:
 
 
 def _exchange(
+    all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
     value: torch.Tensor,
-    group: dist.ProcessGroup | None,
     rank: int,
     size: int,
     timeout: float,
-    found: dict[int, str],
+    describe: Callable[[], dict[int, str]],
     what: str,
 ) -> list[bytes]:
-    """Every member's ``value`` (fixed-size bytes), all-gathered (within the group's timeout, set to ``timeout``)."""
-    gathered = [torch.empty_like(value) for _ in range(size)]
+    """Every member's ``value`` (fixed-size bytes), all-gathered."""
     try:
-        dist.all_gather(gathered, value, group=group)
+        gathered = all_gather(value)
     except Exception as exc:
         others = [member for member in range(size) if member != rank]
+        names = describe()
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise GroupProofError(
             f"the members of this process group did not all prove that they hold the job secret "
-            f"({secret_source()}): the exchange of {what} with {_members(others, found)} failed or took "
+            f"({secret_source()}): the exchange of {what} with {_members(others, names)} failed or took "
             f"more than {timeout:g} s ({first_line}). The group was torn down before any of the job's data moved "
             "through it. Either a program outside the job took a place in the group, or a member runs without the "
             f"secret or without ddpkit's set-up: give every process of the job the same secret; see {GUIDE}",
-            dict.fromkeys(others, ""),
+            {member: names.get(member, "") for member in others},
         ) from None
+    if len(gathered) != size or any(item.shape != value.shape for item in gathered):
+        raise GroupProofError(f"the exchange of {what} returned {len(gathered)} values for {size} members", {})
     return [bytes(item.cpu().tolist()) for item in gathered]
+
+
+def _describer(names: Mapping[int, str] | Callable[[], Mapping[int, str]] | None) -> Callable[[], dict[int, str]]:
+    """A function giving what to call each member (``{}`` where reading that fails: a message must not)."""
+
+    def describe() -> dict[int, str]:
+        try:
+            return dict(names() if callable(names) else names or {})
+        except Exception:
+            return {}
+
+    return describe
 
 
 def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
@@ -177,8 +236,8 @@ def _device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _members(ranks: list[int], found: dict[int, str]) -> str:
-    named = [f"{member} (at {found[member]})" if found.get(member) else str(member) for member in ranks]
+def _members(ranks: list[int], names: dict[int, str]) -> str:
+    named = [f"{member} ({names[member]})" if names.get(member) else str(member) for member in ranks]
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(named)
 
 
@@ -204,12 +263,12 @@ def gloo_addresses(group: dist.ProcessGroup | None = None) -> dict[int, str]:
         name, size = pg.group_name, dist.get_world_size(group)
         keys = {f"default_pg/{name}//cpu//0/{member}": member for member in range(size)}
         present = [key for key in keys if store.check([key])]
-        return {keys[key]: address for key in present if (address := _sockaddr(bytes(store.get(key))))}
+        return {keys[key]: address for key in present if (address := sockaddr(bytes(store.get(key))))}
     except Exception:  # another backend or store: the message goes without addresses
         return {}
 
 
-def _sockaddr(data: bytes) -> str:
+def sockaddr(data: bytes) -> str:
     """The first IPv4 or IPv6 socket address (``sockaddr_in``/``sockaddr_in6``, as Linux lays them out) in ``data``."""
     for offset in range(len(data) - 8):
         family = int.from_bytes(data[offset : offset + 2], "little")
@@ -219,3 +278,86 @@ def _sockaddr(data: bytes) -> str:
         if family == socket.AF_INET6 and port and offset + 24 <= len(data):
             return f"[{ipaddress.IPv6Address(data[offset + 8 : offset + 24])}]:{port}"
     return ""
+
+
+class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does not type it
+    """A group's store as its backend sees it while the group forms: each value this member writes is signed
+    (HMAC-SHA256 with the job secret, bound to ``context`` and the key), and each value it reads must be, so
+    that nobody else can put its own address in place of a member's (and sit between two members).
+
+    Every member of the group must wrap its store the same way, with the same ``context``.
+
+    Args:
+        inner: the store (e.g. the group's prefix store).
+        secret: the job secret.
+        context: what the group is (the same text on every member).
+        name_key: what to call the member that wrote a key, for the message (default: the key itself).
+
+    Raises (from ``get``):
+        GroupProofError: a value that is not signed for this group and key (naming the key and its member).
+    """
+
+    def __init__(self, inner: Any, secret: bytes, context: str, name_key: Callable[[str], str] | None = None) -> None:
+        super().__init__()
+        self._inner, self._secret, self._context = inner, secret, context
+        self._name_key = name_key or (lambda key: f"the key {key!r}")
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        return tag(self._secret, _STORE_PURPOSE, self._context, key, value)
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._inner.set(key, self._tag(key, data) + data)
+
+    def get(self, key: str) -> bytes:
+        raw = bytes(self._inner.get(key))
+        signature, value = raw[:DIGEST_BYTES], raw[DIGEST_BYTES:]
+        if not hmac.compare_digest(signature, self._tag(key, value)):
+            raise GroupProofError(
+                f"the address {self._name_key(key)} gave the others in the group's store was not written by a "
+                f"process that holds the job secret ({secret_source()}): a program that reached the store put its "
+                "own there, or that member runs with another secret. The group was not made; nothing of the job's "
+                f"data moved. Give every process of the job the same secret, and keep the job's ports where only "
+                f"the job reaches them; see {GUIDE}"
+            )
+        return value
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        try:
+            if timeout is None:
+                self._inner.wait(keys)
+            else:
+                self._inner.wait(keys, timeout)
+        except Exception as exc:
+            missing = [key for key in keys if not self._present(key)] or keys
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise GroupProofError(
+                f"the address {', '.join(map(self._name_key, missing))} did not reach the group's store in time "
+                f"({first_line}): that member left, or is not a process of the job. The group was not made; nothing "
+                "of the job's data moved."
+            ) from None
+
+    def _present(self, key: str) -> bool:
+        try:
+            return bool(self._inner.check([key]))
+        except Exception:
+            return False
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._inner.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._inner.add(key, amount))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self._inner.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout  # type: ignore[no-any-return]

@@ -148,7 +148,8 @@ class GroupProofError(DDPKitError):
     says, its address) and why (a wrong proof, or none within the deadline).
 
     Attributes:
-        members: ``{rank in the group: address or ""}`` of each member that failed.
+        members: ``{rank in the group: what is known of it}`` for each member that failed: its address
+            (``"at HOST:PORT"``) and, in a fault-tolerant quorum, its replica id; ``""`` where nothing is.
     """
 
     def __init__(self, message: str, members: dict[int, str] | None = None) -> None:

@@ -6,8 +6,9 @@ committed nowhere, the healthy groups go on with the next quorum in the same
 processes, and a group that comes back takes the weights live from a healthy
 peer. ddpkit starts torchft's servers on one address each, as it does its own
 stores (loopback for one machine; the address that reaches the others on
-several), and moves a recovering group's state over the groups' process group
-rather than over an HTTP server that the fetching side would unpickle from.
+several). With a job secret every quorum's members prove that they hold it
+before anything moves between them, and a recovering group's state moves over
+the groups' process group as tensors and plain values, never unpickled.
 
 - :func:`serve_lighthouse`: torchft's lighthouse, listening on one address.
 - :class:`ReplicaGroup`: one replica group (today: one process) in the job:

@@ -1,9 +1,10 @@
 """``ddpkit run --fault-tolerance``: this machine's replica groups, each under an elastic agent of its own.
 
 This process serves torchft's lighthouse on loopback; every replica group is a ``ddpkit run -n 1`` of
-its own, a child of this process with ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID`` set. When a group's
-worker dies, its agent starts it again (``--max-restarts``) and it rejoins the quorum, while the other
-groups go on in their processes.
+its own, a child of this process with ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID`` set, and the job's secret
+in ``DDPKIT_JOB_SECRET`` (the one this process was given, else one drawn for this job): every quorum's members
+prove they hold it. When a group's worker dies, its agent starts it again (``--max-restarts``) and it rejoins
+the quorum, while the other groups go on in their processes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
 from ddpkit.fault_tolerance._lighthouse import serve_lighthouse
 from ddpkit.fault_tolerance._settings import LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 
@@ -26,8 +28,9 @@ def run_replica_groups(
 ) -> list[int]:  # fmt: skip
     """Run ``groups`` replica groups of ``script`` on this machine, named ``group-0``, ``group-1``, ... (each
     a ``ddpkit run -n 1`` child started again up to ``max_restarts`` times), with the job's lighthouse on
-    loopback in this process (or at ``lighthouse``, one that runs already). Returns each group's exit status
-    (Ctrl-C or SIGTERM stops them all: 130 each).
+    loopback in this process (or at ``lighthouse``, one that runs already). Every group gets the job secret in
+    its environment: this process's (``DDPKIT_JOB_SECRET`` or ``--secret-file``), else one drawn for this job
+    (32 random bytes). Returns each group's exit status (Ctrl-C or SIGTERM stops them all: 130 each).
 
     Raises:
         ValueError: ``groups`` below 1.
@@ -45,17 +48,24 @@ def run_replica_groups(
 def _run_groups(
     script: str, script_args: Sequence[str], groups: int, lighthouse: str, max_restarts: int, module: bool
 ) -> list[int]:
-    children = [_start_group(script, script_args, f"group-{i}", lighthouse, max_restarts, module)
+    secret = (job_secret() or new_job_secret()).decode()  # one for the whole job
+    children = [_start_group(script, script_args, f"group-{i}", lighthouse, max_restarts, module, secret)
                 for i in range(groups)]  # fmt: skip
     return _wait(children)
 
 
 def _start_group(
-    script: str, script_args: Sequence[str], replica_id: str, lighthouse: str, max_restarts: int, module: bool
+    script: str,
+    script_args: Sequence[str],
+    replica_id: str,
+    lighthouse: str,
+    max_restarts: int,
+    module: bool,
+    secret: str,
 ) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "ddpkit", "run", "-n", "1", "--max-restarts", str(max_restarts)]
     command += ["-m"] if module else []
-    env = {**os.environ, LIGHTHOUSE_VARIABLE: lighthouse, REPLICA_ID_VARIABLE: replica_id}
+    env = {**os.environ, LIGHTHOUSE_VARIABLE: lighthouse, REPLICA_ID_VARIABLE: replica_id, SECRET_VARIABLE: secret}
     return subprocess.Popen([*command, script, *script_args], env=env)
 
 

@@ -40,9 +40,10 @@ def serve_lighthouse(
     """Start torchft's lighthouse in this process, listening on ``host``'s address only (torchft's
     ``torchft_lighthouse``, bound as ddpkit binds its stores).
 
-    torchft serves it without authentication: whoever reaches the port can read its dashboard, kill any
-    replica group from it (``POST /replica/<id>/kill``) and join the quorum. Keep ``host`` on loopback or
-    on a network only the job's nodes reach.
+    torchft serves it without authentication: whoever reaches the port can read its dashboard (the groups' ids,
+    steps and addresses), kill any replica group from it (``POST /replica/<id>/kill``) and ask for quorums (with
+    a job secret, a process without it gets into no quorum's process group, but each quorum it is in fails a
+    step). Keep ``host`` on loopback or on a network only the job's nodes reach.
 
     Args:
         host: a loopback name (one machine), or this machine's address on the network the replica groups

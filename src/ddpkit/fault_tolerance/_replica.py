@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -12,14 +13,19 @@ import torch
 from torch import nn
 
 from ddpkit._gradients import reduce_gradients
+from ddpkit._group_proof import GUIDE
+from ddpkit._secret import SECRET_VARIABLE, job_secret
 from ddpkit._stores import release_store, route_address, serve_store
 from ddpkit.environments.base import is_loopback
 from ddpkit.errors import RendezvousFailedError
+from ddpkit.fault_tolerance._healing import TensorTransport
+from ddpkit.fault_tolerance._quorum_proof import proven_gloo
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
 
 #: torchft's manager builds its server inside ``Manager.__init__`` with ``[::]`` (every interface) as the
 #: bind address; ddpkit swaps the class it builds for one call. The lock keeps two constructions apart.
 _CONSTRUCTION = threading.Lock()
+_warned_without_secret = False
 
 
 class ReplicaGroup:
@@ -34,9 +40,15 @@ class ReplicaGroup:
     ``load_state_dict`` before its first step counts.
 
     Its servers listen on one address: its store and torchft's manager server on 127.0.0.1 when the
-    lighthouse is on loopback, else on this machine's address on its route to the lighthouse. A recovering
-    group receives the state over the groups' process group (torchft's ``PGTransport``), from the groups of
-    the quorum only.
+    lighthouse is on loopback, else on this machine's address on its route to the lighthouse.
+
+    With a job secret (``DDPKIT_JOB_SECRET``, which ``ddpkit run --fault-tolerance`` and ``fit_distributed``
+    give every group of a job), each quorum's members prove that they hold it before anything moves between
+    them: a member that cannot (a process outside the job that asked the lighthouse for a quorum, or a group
+    given another secret) gets no state and gives no gradient; the step fails in every group and the next
+    quorums go on without it once the lighthouse drops it. Without a secret it warns once. A recovering group
+    receives the state as tensors and plain values over the groups' process group, checked against its own
+    state's shapes and dtypes; nothing a peer sends is unpickled.
 
     Args:
         lighthouse: the lighthouse's address, ``http://HOST:PORT`` (:attr:`Lighthouse.address`).
@@ -46,6 +58,9 @@ class ReplicaGroup:
         min_replicas: the fewest groups a step may commit with (default 1).
         timeout: seconds a collective or a recovery may take before the step fails (default 30).
         quorum_timeout: seconds to wait for a quorum (default 60).
+
+    Warns:
+        RuntimeWarning: no job secret (once per process): any process that reaches the lighthouse can join.
 
     Raises:
         ImportError: torchft is not installed (the message says how to install it).
@@ -58,15 +73,20 @@ class ReplicaGroup:
         quorum_timeout: float = 60.0,
     ) -> None:  # fmt: skip
         torchft = torchft_module()
-        transports = torchft_module("torchft.checkpointing.pg_transport")
         managers = torchft_module("torchft.manager")
         local = _local_address(lighthouse)
-        self._store_port = serve_store(local, 0)
-        assert self._store_port is not None, f"{local} is this machine's own address"
-        self._group = torchft.ProcessGroupGloo(timeout=timedelta(seconds=timeout))
-        transport = transports.PGTransport(self._group, timeout=timedelta(seconds=timeout), device=torch.device("cpu"))
+        secret = job_secret()
+        if secret is None:
+            _warn_without_secret()
         #: The replica ids of the last quorum, as this group's client received them.
         self._quorum_ids: list[str] = []
+        self._group = proven_gloo(secret, timeout, lambda: self._quorum_ids)
+        transport = TensorTransport(
+            self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
+            timeout,
+        )  # fmt: skip
+        self._store_port = serve_store(local, 0)
+        assert self._store_port is not None, f"{local} is this machine's own address"
         try:
             with _manager_server_on(managers, local), _client_recording(managers, self._quorum_ids):
                 self._manager = torchft.Manager(
@@ -136,6 +156,20 @@ class ReplicaGroup:
         self._manager.shutdown(wait=False)
         release_store(self._store_port)
         self._store_port = None
+
+
+def _warn_without_secret() -> None:
+    global _warned_without_secret
+    if _warned_without_secret:
+        return
+    _warned_without_secret = True
+    warnings.warn(
+        f"this replica group has no job secret (${SECRET_VARIABLE}): any process that reaches the lighthouse can "
+        "join the quorum, take the run's state and add its gradients. Start the job with ddpkit run "
+        f"--fault-tolerance (which gives its groups one), or give every group the same secret; see {GUIDE}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _local_address(lighthouse: str) -> str:

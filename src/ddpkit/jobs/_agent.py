@@ -41,6 +41,7 @@ from ddpkit._stores import hosting_address, release_store, route_address, serve_
 from ddpkit.environments import is_loopback
 from ddpkit.environments.base import check_resolves
 from ddpkit.errors import ClusterEnvironmentError, RendezvousFailedError
+from ddpkit.fault_tolerance._settings import LIGHTHOUSE_VARIABLE
 from ddpkit.hangs._watchdog import TIMEOUT_VARIABLE
 from ddpkit.jobs import _rendezvous
 from ddpkit.jobs._agent_log import agent_log
@@ -164,14 +165,17 @@ def agent_scope(nnodes: int | str = 1) -> Iterator[str]:
     The workers find the job secret in their environment (``DDPKIT_JOB_SECRET``):
     the one this process has (the variable, or ``ddpkit run --secret-file``),
     or on a single node without one, a fresh secret of this job's own, so that
-    nobody else on the machine can take a rank either.
+    nobody else on the machine can take a rank either (not for a replica group
+    of a fault-tolerant job started by hand: its job's groups share one secret).
     """
     saved_env = {name: os.environ.get(name) for name in _AGENT_ENV}
     saved_signals = _current_handlers()
     failure_dir = tempfile.mkdtemp(prefix="ddpkit-failures-")
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[FAILURE_DIR_VARIABLE] = failure_dir
-    if job_secret() is None and node_range(nnodes)[1] == 1:
+    # A replica group of a fault-tolerant job started by hand has no secret of its own to draw: the job's
+    # other groups would not share it (it warns instead, when it joins).
+    if job_secret() is None and node_range(nnodes)[1] == 1 and LIGHTHOUSE_VARIABLE not in os.environ:
         os.environ[SECRET_VARIABLE] = new_job_secret().decode()
     export_job_secret(os.environ)
     try:

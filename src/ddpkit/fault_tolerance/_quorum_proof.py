@@ -1,0 +1,119 @@
+"""The replica groups' process group (torchft's reconfigurable gloo group), whose members prove that they hold
+the job secret each time a quorum configures it, before any state or gradient moves through it.
+
+torchft configures the group at the start of every quorum that differs from the last (a group joined or left,
+or the last step failed somewhere), then sends a recovering group its state and all-reduces the step's
+gradients over it. Here, with a job secret, the addresses the members give each other in the quorum's store
+are signed (:class:`ddpkit._group_proof.SignedStore`: nobody else can put its own address in place of a
+member's), and the configuration ends with :func:`ddpkit._group_proof.check_members` over the new group. When
+a member cannot prove itself, the group is aborted and the configuration raises; torchft then fails the step
+in this group without sending or receiving any state (the next quorum configures afresh).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ddpkit._group_proof import SignedStore, check_members, sockaddr
+from ddpkit._secret import DIGEST_BYTES
+from ddpkit.fault_tolerance._torchft import torchft_module
+
+__all__ = ["proven_gloo"]
+
+
+def proven_gloo(secret: bytes | None, timeout: float, replica_ids: Callable[[], Sequence[str]]) -> Any:
+    """torchft's ``ProcessGroupGloo`` whose members prove ``secret`` at every configuration (none without one).
+
+    Args:
+        secret: the job secret; ``None``: torchft's group as it is.
+        timeout: seconds each collective (the proof's two all-gathers included) may take.
+        replica_ids: the replica ids of the quorum being configured, in rank order (for the messages).
+    """
+    group_class = _proven_class()
+    return group_class(timeout=timedelta(seconds=timeout), secret=secret, replica_ids=replica_ids)
+
+
+@functools.cache
+def _proven_class() -> type[Any]:
+    torchft = torchft_module("torchft.process_group")
+    options = torch._C._distributed_c10d.AllgatherOptions
+
+    class ProvenGloo(torchft.ProcessGroupGloo):  # type: ignore[misc, name-defined]
+        """torchft's gloo group, proving its members at every configuration."""
+
+        def __init__(self, *, timeout: timedelta, secret: bytes | None, replica_ids: Callable[[], Sequence[str]]
+                     ) -> None:  # fmt: skip
+            super().__init__(timeout=timeout)
+            self._secret, self._ids, self._seconds = secret, replica_ids, timeout.total_seconds()
+            self._forming: tuple[str, Callable[[], dict[int, str]]] = ("", dict)
+
+        def configure(
+            self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
+            group_rank: int | None = None, group_world_size: int | None = None, global_ranks: list[int] | None = None,
+        ) -> None:  # fmt: skip
+            secret = self._secret
+            if secret is None or world_size == 1:
+                super().configure(
+                    store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+                )
+                return
+            ids = list(self._ids())  # this quorum's, read now (the message may come after the next)
+
+            def names() -> dict[int, str]:
+                return _names(store_addr, world_size, ids, self._seconds)
+
+            def all_gather(value: torch.Tensor) -> list[torch.Tensor]:
+                gathered = [torch.empty_like(value) for _ in range(world_size)]
+                self.allgather([gathered], [value], options()).wait(timedelta(seconds=self._seconds))
+                return gathered
+
+            context = f"torchft quorum|{quorum_id}|{store_addr}|{group_rank}/{group_world_size}"
+            self._forming = (context, names)
+            try:
+                super().configure(  # gloo's addresses go through a SignedStore (_create_pg)
+                    store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+                )
+                check_members(all_gather, rank, world_size, context, secret, timeout=self._seconds, names=names)
+            except Exception:
+                self.abort(errored=False)  # nothing of the job moves through this group
+                raise  # torchft logs it (once per quorum: a failed step makes the next quorum a new one)
+
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            if self._secret is not None and world_size > 1:
+                context, names = self._forming
+
+                def name_key(key: str) -> str:
+                    member = int(key.rpartition("/")[2]) if key.rpartition("/")[2].isdigit() else -1
+                    said = names().get(member)
+                    return f"of rank {member}" + (f" ({said})" if said else "")
+
+                store = SignedStore(store, self._secret, context, name_key)
+            return super()._create_pg(store, rank, world_size)
+
+    return ProvenGloo
+
+
+def _names(store_addr: str, size: int, ids: list[str], timeout: float) -> dict[int, str]:
+    """``{rank: "replica group 'ID' at HOST:PORT"}`` from the quorum's replica ids and the addresses gloo wrote
+    in the quorum's store (each part left out where it cannot be read)."""
+    addresses: dict[int, str] = {}
+    try:
+        store = torchft_module("torchft.process_group").create_store_client(
+            store_addr, timeout=timedelta(seconds=min(timeout, 5.0))
+        )
+        for rank in range(size):
+            raw = bytes(store.get(f"0/{rank}"))  # signed (32 bytes first) by a member; a stranger's may not be
+            addresses[rank] = sockaddr(raw[DIGEST_BYTES:]) or sockaddr(raw)
+    except Exception:  # the message goes without addresses
+        pass
+    names = {}
+    for rank in range(size):
+        parts = [f"replica group {ids[rank]!r}" if rank < len(ids) and len(ids) == size else ""]
+        parts.append(f"at {addresses[rank]}" if addresses.get(rank) else "")
+        names[rank] = " ".join(part for part in parts if part)
+    return names
