@@ -10,6 +10,10 @@ cannot reuse one made for another rank, group or round, and learns nothing it
 could use: only random nonces and tags move. A group where any tag is wrong, or
 where the proof does not finish within :data:`PROOF_TIMEOUT_S`, raises
 :class:`~ddpkit.errors.GroupProofError` on every member that holds the secret.
+
+:class:`SignedStore` covers what comes before: the addresses the members give
+each other in the group's store as the group forms, signed so that nobody else
+can put its own in place of a member's (used by the fault-tolerant quorums).
 """
 
 from __future__ import annotations
