@@ -4,6 +4,10 @@ Trains the digits classifier on batches of its own (seeded by the replica's
 number) through :class:`ddpkit.fault_tolerance.ReplicaGroup`, one JSON line per
 step to ``OUT.jsonl`` (time, committed steps, whether this one was committed,
 the quorum's size, the process id), and the final weights to ``OUT.pt``.
+
+With ``$FT_RESTART_MARKER`` (a path), a group started with ``$FT_RESTARTED=1`` creates that file once it has
+joined (its manager heartbeats), and the others wait for it after step ``$FT_WAIT_AT`` (at most 120 s): a
+restarted group is sure to find peers to heal from however slowly it starts.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ def main(replica: str, lighthouse: str, steps: int, out: str, delay: float) -> N
         optimizer.load_state_dict(state["optimizer"])
 
     group = ReplicaGroup(lighthouse, replica, state_dict, load_state_dict, timeout=5.0, quorum_timeout=30.0)
+    marker, wait_at = os.environ.get("FT_RESTART_MARKER"), int(os.environ.get("FT_WAIT_AT", "-1"))
+    if marker and os.environ.get("FT_RESTARTED") == "1":
+        open(marker, "w").close()
     with open(f"{out}.jsonl", "w") as log:
         while group.step < steps:
             group.start_step()
@@ -51,6 +58,9 @@ def main(replica: str, lighthouse: str, steps: int, out: str, delay: float) -> N
             log.write(json.dumps(record) + "\n")
             log.flush()
             time.sleep(delay)
+            deadline = time.monotonic() + 120.0
+            while marker and group.step == wait_at and not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.1)
     torch.save(model.state_dict(), f"{out}.pt")
     group.close()
 

@@ -11,6 +11,12 @@ computes after that (after writing ``{"kill": t}``); with ``KILL_AT`` < 0 it han
 (after writing ``{"hang": t}``).
 With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it). At the end: the
 weights in ``OUT.pt``, the history in ``OUT.json``.
+
+With ``$FT_RESTART_MARKER`` (a path), a group started again (under its agent, or with ``$FT_RESTARTED=1``)
+creates that file once it has joined (its manager heartbeats, so the lighthouse waits for it), and the others
+wait for that file after committing step ``$FT_WAIT_AT``, for at most 120 s: the restarted group, whose
+Python, torch and torchft take several seconds to start (more on a loaded machine), is sure to find peers to
+take the state from instead of finding the others finished.
 """
 
 from __future__ import annotations
@@ -96,11 +102,23 @@ class IndexedLoop(TrainLoop):
         return nn.functional.cross_entropy(model(images), labels)
 
 
+def restarted() -> bool:
+    """Whether this process is a group started again (by its agent, or by the test with ``$FT_RESTARTED=1``)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("FT_RESTARTED") == "1"
+
+
 class StepLog(Callback):
-    """After each committed step: the indices of its attempt that was committed, one JSON line."""
+    """After each committed step: the indices of its attempt that was committed, one JSON line (and the wait
+    for a restarted group described in the module's docstring)."""
 
     def __init__(self, delay: float) -> None:
         self.delay = delay
+        self.marker = os.environ.get("FT_RESTART_MARKER")
+        self.wait_at = int(os.environ.get("FT_WAIT_AT", "-1"))
+
+    def on_epoch_begin(self, train_loop: Any) -> None:
+        if self.marker and restarted():  # joined: the manager heartbeats
+            Path(self.marker).touch()
 
     def on_batch_end(self, train_loop: Any) -> None:
         loop: IndexedLoop = train_loop
@@ -113,6 +131,10 @@ class StepLog(Callback):
         loop.log.write(json.dumps(record) + "\n")
         loop.log.flush()
         time.sleep(self.delay)
+        if self.marker and done == self.wait_at:
+            deadline = time.monotonic() + 120.0
+            while not os.path.exists(self.marker) and time.monotonic() < deadline:
+                time.sleep(0.1)
 
 
 def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
