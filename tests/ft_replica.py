@@ -6,8 +6,9 @@ step to ``OUT.jsonl`` (time, committed steps, whether this one was committed,
 the quorum's size, the process id), and the final weights to ``OUT.pt``.
 
 With ``$FT_RESTART_MARKER`` (a path), a group started with ``$FT_RESTARTED=1`` creates that file once it has
-joined (its manager heartbeats), and the others wait for it after step ``$FT_WAIT_AT`` (at most 120 s): a
-restarted group is sure to find peers to heal from however slowly it starts.
+joined (its manager heartbeats); with ``$FT_WAIT_FOR``, the groups wait for that file after step
+``$FT_WAIT_AT`` (at most 120 s). Both at one path: a restarted group is sure to find peers to heal from
+however slowly it starts.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def main(replica: str, lighthouse: str, steps: int, out: str, delay: float) -> N
         optimizer.load_state_dict(state["optimizer"])
 
     group = ReplicaGroup(lighthouse, replica, state_dict, load_state_dict, timeout=5.0, quorum_timeout=30.0)
-    marker, wait_at = os.environ.get("FT_RESTART_MARKER"), int(os.environ.get("FT_WAIT_AT", "-1"))
+    marker, wait_for = os.environ.get("FT_RESTART_MARKER"), os.environ.get("FT_WAIT_FOR")
+    wait_at = int(os.environ.get("FT_WAIT_AT", "-1"))
     if marker and os.environ.get("FT_RESTARTED") == "1":
         open(marker, "w").close()
     with open(f"{out}.jsonl", "w") as log:
@@ -59,7 +61,7 @@ def main(replica: str, lighthouse: str, steps: int, out: str, delay: float) -> N
             log.flush()
             time.sleep(delay)
             deadline = time.monotonic() + 120.0
-            while marker and group.step == wait_at and not os.path.exists(marker) and time.monotonic() < deadline:
+            while wait_for and group.step == wait_at and not os.path.exists(wait_for) and time.monotonic() < deadline:
                 time.sleep(0.1)
     torch.save(model.state_dict(), f"{out}.pt")
     group.close()

@@ -13,10 +13,11 @@ With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes fr
 weights in ``OUT.pt``, the history in ``OUT.json``.
 
 With ``$FT_RESTART_MARKER`` (a path), a group started again (under its agent, or with ``$FT_RESTARTED=1``)
-creates that file once it has joined (its manager heartbeats, so the lighthouse waits for it), and the others
-wait for that file after committing step ``$FT_WAIT_AT``, for at most 120 s: the restarted group, whose
-Python, torch and torchft take several seconds to start (more on a loaded machine), is sure to find peers to
-take the state from instead of finding the others finished.
+creates that file once it has joined (its manager heartbeats, so the lighthouse waits for it for the next
+quorum). With ``$FT_WAIT_FOR`` (a path), every group waits for that file after committing step
+``$FT_WAIT_AT``, for at most 120 s. Both at one path: a restarted group, whose Python, torch and torchft take
+several seconds to start (more on a loaded machine), is sure to find peers to take the state from, and a
+group that joins late is sure to find the others still training.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class StepLog(Callback):
     def __init__(self, delay: float) -> None:
         self.delay = delay
         self.marker = os.environ.get("FT_RESTART_MARKER")
-        self.wait_at = int(os.environ.get("FT_WAIT_AT", "-1"))
+        self.wait_for, self.wait_at = os.environ.get("FT_WAIT_FOR"), int(os.environ.get("FT_WAIT_AT", "-1"))
 
     def on_epoch_begin(self, train_loop: Any) -> None:
         if self.marker and restarted():  # joined: the manager heartbeats
@@ -131,9 +132,9 @@ class StepLog(Callback):
         loop.log.write(json.dumps(record) + "\n")
         loop.log.flush()
         time.sleep(self.delay)
-        if self.marker and done == self.wait_at:
+        if self.wait_for and done == self.wait_at:
             deadline = time.monotonic() + 120.0
-            while not os.path.exists(self.marker) and time.monotonic() < deadline:
+            while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
                 time.sleep(0.1)
 
 

@@ -11,7 +11,9 @@ processes listen on, then, one after another (each time waiting until both group
 1. ``join``: a torchft ``Manager`` of a stranger's own (tests/ft_stranger.py) takes part in the quorums for
    :data:`STRANGER_S` seconds, asking for the run's state and all-reducing 1e6 gradients;
 2. ``claim``: another says it is at step 10**6 and serves a state with a pickled command;
-3. ``secret``: a replica group of the same script (``group-x``), started by hand with another secret.
+3. ``secret``: a replica group of the same script (``group-x``), started by hand with another secret. The
+   job's groups wait after step :data:`WAIT_AT` until group-x has joined (tests/ft_trainloop.py's
+   ``FT_WAIT_FOR``), so that a slow start of it, or of the phases before, never finds the job finished.
 
 It then waits for the job to end and writes ``result.json`` in OUTDIR.
 """
@@ -36,6 +38,8 @@ from tests.helpers import holds_within, listening_sockets
 STRANGER_S = 10.0
 #: Seconds each group waits after a committed step (the job must outlast the strangers).
 DELAY_S = "1.5"
+#: The step after which the job's groups wait for group-x (of 69; at DELAY_S each, past the phases before it).
+WAIT_AT = 64
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
 _ENV.pop("DDPKIT_JOB_SECRET", None)
 #: What a group says of a member whose address in the quorum's store is not signed with its secret.
@@ -84,7 +88,8 @@ def _stranger(mode: str, lighthouse: str, out: Path) -> dict[str, Any]:
 
 def _other_secret(lighthouse: str, out: Path) -> dict[str, Any]:
     log = out / "group-x.log"
-    env = {**_ENV, "DDPKIT_JOB_SECRET": "another secret"}
+    env = {**_ENV, "DDPKIT_JOB_SECRET": "another secret", "FT_RESTARTED": "1",
+           "FT_RESTART_MARKER": str(out / "group-x-joined")}  # fmt: skip
     command = [sys.executable, "-m", "tests.ft_trainloop", "group-x", lighthouse, str(out / "group-x"), "0", "0"]
     output = open(log, "wb")  # noqa: SIM115  # open while the group runs
     group = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -130,7 +135,8 @@ def main(out: Path) -> None:
                "-m", "tests.ft_trainloop", "-", "-", str(out), "0", DELAY_S]  # fmt: skip
     job_log = out / "job.log"
     output = open(job_log, "wb")  # noqa: SIM115  # open while the job runs
-    job = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=_ENV, start_new_session=True)
+    env = {**_ENV, "FT_WAIT_FOR": str(out / "group-x-joined"), "FT_WAIT_AT": str(WAIT_AT)}
+    job = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         found = holds_within(lambda: "lighthouse at http" in job_log.read_text(), 60)
         lighthouse = re.findall(r"lighthouse at (http://\S+)", job_log.read_text())[0] if found else ""

@@ -13,8 +13,9 @@ both workers run, this reads every socket the job's processes listen on, then th
   ``MASTER_ADDR``, ``MASTER_PORT`` and assigned ranks, pointing at a store and a gloo group of its own on
   10.77.0.2, where it waits as rank 0 to all-reduce with whichever worker comes;
 * ``takeover``: (the job has a secret; its workers make their group with ddpkit, rank 1 late) the stranger
-  reads the job's real ``MASTER_ADDR``/``MASTER_PORT`` and takes rank 1 of the default group from
-  10.77.0.2 with torch's own classes before the real rank 1 comes, then all-reduces.
+  reads the job's real ``MASTER_ADDR``/``MASTER_PORT`` and tries to take rank 1 of the default group from
+  10.77.0.2 with torch's own classes before the real rank 1 comes (its gloo address under rank 1's key),
+  then all-reduces.
 
 It then waits for the agents to stop and writes ``result.json`` in OUTDIR.
 """

@@ -173,7 +173,8 @@ def test_a_killed_replica_costs_the_others_a_step_not_a_restart_and_comes_back_w
     and commit their next step within 2 s; the killed one, started again, takes the weights from a peer and
     commits with all three; every server listens on 127.0.0.1 only; all three end with the same weights."""
     outs = [tmp_path / f"r{i}" for i in range(3)]
-    waits = {"FT_RESTART_MARKER": str(tmp_path / "restarted"), "FT_WAIT_AT": str(KILL_AT + 30)}
+    marker = str(tmp_path / "restarted")
+    waits = {"FT_RESTART_MARKER": marker, "FT_WAIT_FOR": marker, "FT_WAIT_AT": str(KILL_AT + 30)}
     with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
         processes = [_spawn(f"r{i}", lighthouse.address, out, waits) for i, out in enumerate(outs)]
         wait_for(lambda: sum(r["committed"] for r in _records(outs[2])) >= KILL_AT, "40 steps", processes, timeout=90)
@@ -242,7 +243,8 @@ def _spawn_loop(
 def _survivors_wait_for_the_restart(tmp_path: Path) -> dict[str, str]:
     """The environment in which the groups that outlive step 30's kill wait, after step 34, until the restarted
     group has joined (tests/ft_trainloop.py): however slowly it starts, it finds peers to heal from."""
-    return {"FT_RESTART_MARKER": str(tmp_path / "restarted"), "FT_WAIT_AT": "34"}
+    marker = str(tmp_path / "restarted")
+    return {"FT_RESTART_MARKER": marker, "FT_WAIT_FOR": marker, "FT_WAIT_AT": "34"}
 
 
 def _assert_trains_again(out: Path, since: float) -> None:

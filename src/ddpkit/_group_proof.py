@@ -13,7 +13,8 @@ where the proof does not finish within :data:`PROOF_TIMEOUT_S`, raises
 
 :class:`SignedStore` covers what comes before: the addresses the members give
 each other in the group's store as the group forms, signed so that nobody else
-can put its own in place of a member's (used by the fault-tolerant quorums).
+can put its own in place of a member's and relay between members (the default
+group's store with a job secret, and each fault-tolerant quorum's).
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ def gloo_addresses(group: dist.ProcessGroup | None = None) -> dict[int, str]:
             store = store.underlying_store
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         name, size = pg.group_name, dist.get_world_size(group)
-        keys = {f"default_pg/{name}//cpu//0/{member}": member for member in range(size)}
+        prefix = "" if isinstance(store, SignedStore) else "default_pg/"  # a signed store holds "default_pg" in it
+        keys = {f"{prefix}{name}//cpu//0/{member}": member for member in range(size)}
         present = [key for key in keys if store.check([key])]
         return {keys[key]: address for key in present if (address := sockaddr(bytes(store.get(key))))}
     except Exception:  # another backend or store: the message goes without addresses
@@ -285,9 +287,10 @@ def sockaddr(data: bytes) -> str:
 
 
 class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does not type it
-    """A group's store as its backend sees it while the group forms: each value this member writes is signed
-    (HMAC-SHA256 with the job secret, bound to ``context`` and the key), and each value it reads must be, so
-    that nobody else can put its own address in place of a member's (and sit between two members).
+    """A group's store as its backend sees it: each value this member writes is signed (HMAC-SHA256 with the
+    job secret, bound to ``context`` and the key), and each value it reads must be, so that nobody else can
+    put its own address in place of a member's (and sit between two members). Counters (``add``) are not
+    signed: a stranger can only make a count wrong, which stops the group (a disruption, not a way in).
 
     Every member of the group must wrap its store the same way, with the same ``context``.
 
@@ -295,7 +298,7 @@ class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does
         inner: the store (e.g. the group's prefix store).
         secret: the job secret.
         context: what the group is (the same text on every member).
-        name_key: what to call the member that wrote a key, for the message (default: the key itself).
+        name_key: what a key's value is, for the message (default: "the value of the key ...").
 
     Raises (from ``get``):
         GroupProofError: a value that is not signed for this group and key (naming the key and its member).
@@ -304,7 +307,15 @@ class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does
     def __init__(self, inner: Any, secret: bytes, context: str, name_key: Callable[[str], str] | None = None) -> None:
         super().__init__()
         self._inner, self._secret, self._context = inner, secret, context
-        self._name_key = name_key or (lambda key: f"the key {key!r}")
+        self._name_key = name_key or (lambda key: f"the value of the key {key!r}")
+        self._clones: list[SignedStore] = []
+
+    def clone(self) -> SignedStore:
+        """The same store on a connection of its own (as torch's ``Store.clone``). The clone is kept alive with
+        this store: torch's stores that clone through this one hold only its C++ part, which needs it."""
+        clone = SignedStore(self._inner.clone(), self._secret, self._context, self._name_key)
+        self._clones.append(clone)
+        return clone
 
     def _tag(self, key: str, value: bytes) -> bytes:
         return tag(self._secret, _STORE_PURPOSE, self._context, key, value)
@@ -318,8 +329,8 @@ class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does
         signature, value = raw[:DIGEST_BYTES], raw[DIGEST_BYTES:]
         if not hmac.compare_digest(signature, self._tag(key, value)):
             raise GroupProofError(
-                f"the address {self._name_key(key)} gave the others in the group's store was not written by a "
-                f"process that holds the job secret ({secret_source()}): a program that reached the store put its "
+                f"{self._name_key(key)} in the group's store was not written by a process that holds the job "
+                f"secret ({secret_source()}): a program that reached the store put its "
                 "own there, or that member runs with another secret. The group was not made; nothing of the job's "
                 f"data moved. Give every process of the job the same secret, and keep the job's ports where only "
                 f"the job reaches them; see {GUIDE}"
@@ -336,7 +347,7 @@ class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does
             missing = [key for key in keys if not self._present(key)] or keys
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise GroupProofError(
-                f"the address {', '.join(map(self._name_key, missing))} did not reach the group's store in time "
+                f"{', '.join(map(self._name_key, missing))} did not reach the group's store in time "
                 f"({first_line}): that member left, or is not a process of the job. The group was not made; nothing "
                 "of the job's data moved."
             ) from None

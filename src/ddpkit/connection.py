@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ddpkit._group_proof import PROOF_COLLECTIVES, gloo_addresses, prove_members
+from ddpkit._group_proof import PROOF_COLLECTIVES, SignedStore, gloo_addresses, prove_members
 from ddpkit._secret import job_secret
 from ddpkit._stores import release_store, serve_store
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback, launched_environment
@@ -80,6 +80,8 @@ def _backend_threads() -> list[str]:
 
 atexit.register(_release_the_gil_to_backend_threads)  # registered first: runs after every later exit hook
 
+#: The default group's signed store (with a job secret), kept alive for torch (see :func:`_signed_store`).
+_signed: SignedStore | None = None
 #: The port of the loopback store this process hosts for the default group (rank 0), if any.
 _served_port: int | None = None
 #: The default group :func:`ensure_dist_connection` created, destroyed at exit if still there.
@@ -166,10 +168,14 @@ def init_dist_connection(
     loopback, gloo is also pinned to the loopback interface unless
     ``GLOO_SOCKET_IFNAME`` is set, so nothing listens beyond this machine.
 
-    With a job secret, every rank proves right after the group is made that
-    it holds the secret (a challenge and response over the group's own
-    connections, two all-gathers of 32 bytes), so that a program outside the
-    job that took a rank's place is found before any of the job's data moves.
+    With a job secret, every value a rank writes to the group's store is
+    signed with it and every value read must be (so nobody can give the
+    ranks its own address in place of a rank's, and relay between them), and
+    every rank proves right after the group is made that it holds the secret
+    (a challenge and response over the group's own connections, two
+    all-gathers of 32 bytes), so that a program outside the job that took a
+    rank's place is found before any of the job's data moves. A ``store``
+    passed in ``kwargs`` is used as it is (not signed).
 
     Raises:
         RuntimeError: ``torch.distributed`` is not available in this build.
@@ -181,9 +187,10 @@ def init_dist_connection(
             address that does not resolve (naming it and where it came from).
         DDPKitError: a group exists with a different rank or world size.
         GroupProofError: with a job secret (``DDPKIT_JOB_SECRET``, or
-            ``ddpkit run --secret-file``), a member of the new group could not
-            prove that it holds it; the group was destroyed before any data
-            moved through it.
+            ``ddpkit run --secret-file``), an address in the group's store was
+            not signed with it (the group was not made), or a member of the new
+            group could not prove that it holds it (the group was destroyed);
+            either way before any data moved through it.
     """
     if not dist.is_available():
         raise RuntimeError(
@@ -233,18 +240,24 @@ def init_dist_connection(
         # Else torch's store listens on every interface. A port held already is left to torch: its
         # own server in this process, or its error; so is a host name.
         _served_port = serve_store(address, port, if_taken="torch")
+    secret = job_secret()
+    proved = secret is not None and size > 1
+    # What the group is, the same text on every rank: the store the ranks meet at, torchrun's run id and attempt.
+    context = (f"default group|{address}:{port}|{os.environ.get('TORCHELASTIC_RUN_ID', '')}|"
+               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}")  # fmt: skip
     log.info("initialising process group: rank %d of %d, backend %s, master %s:%d", rank, size, backend, address, port)
     try:
+        if proved and "store" not in kwargs:
+            assert secret is not None
+            kwargs["store"] = _signed_store(secret, context, rank, size, kwargs)
         dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)
     except BaseException:
         release_store(_served_port)
         _served_port = None
         raise
-    secret = job_secret()
-    proved = secret is not None and size > 1
     if proved:
         assert secret is not None
-        _prove_members(secret, address, port)
+        _prove_members(secret, context)
     world = dist.group.WORLD
     if world is not None:  # the hang report numbers the user's collectives from 1
         watchdog.count_own_collectives(world.group_name, PROOF_COLLECTIVES if proved else 0)
@@ -252,14 +265,40 @@ def init_dist_connection(
         watchdog.start_watchdog(deadline)
 
 
-def _prove_members(secret: bytes, address: str, port: int) -> None:
+def _signed_store(secret: bytes, context: str, rank: int, size: int, kwargs: dict[str, Any]) -> Any:
+    """The store ``init_process_group`` would meet at (its ``init_method``, by default ``env://``: under torchrun
+    the agent's store), as a :class:`~ddpkit._group_proof.SignedStore`: every value a rank writes there (gloo's
+    and NCCL's addresses first) is signed with the job secret, and a value nobody with the secret wrote is
+    refused when read, so that nobody who reaches the store can put its own address in place of a rank's and
+    relay between the ranks (which the proof over the group's connections would not see)."""
+    global _signed
+    timeout = kwargs.get("timeout") or dist.default_pg_timeout
+    store, _, _ = next(
+        dist.rendezvous(  # type: ignore[attr-defined]
+            kwargs.pop("init_method", "env://"), rank, size, timeout=timeout
+        )
+    )
+    store.set_timeout(timeout)
+
+    def name_key(key: str) -> str:
+        last = key.rpartition("/")[2]
+        if "//cpu//" in key and last.isdigit():  # gloo: "<group>//cpu//<device>/<rank>"
+            return f"the gloo address of rank {last} (the key {key!r})"
+        return f"the value of the key {key!r}"
+
+    # The keys torch's own env:// gives the default group ("default_pg/..."), so nothing else on the store
+    # meets them. The Python object is kept: torch holds only its C++ part, which cannot call its methods alone.
+    _signed = SignedStore(dist.PrefixStore("default_pg", store), secret, context, name_key)  # type: ignore[attr-defined]
+    return _signed
+
+
+def _prove_members(secret: bytes, context: str) -> None:
     """Every rank of the new default group proves that it holds the job secret; else the group is destroyed here.
 
-    The proof is bound to the store the ranks met at and the job's run id (torchrun's), so that a proof made
-    for another group or job does not verify.
+    The proof is bound to ``context`` (the store the ranks met at, the job's run id and attempt: torchrun's), so
+    that a proof made for another group, job or attempt does not verify.
     """
     global _served_port
-    context = f"default group|{address}:{port}|{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
     try:
         prove_members(None, context, secret, addresses=gloo_addresses)
     except BaseException:

@@ -90,9 +90,10 @@ def _proven_class() -> type[Any]:
                 def name_key(key: str) -> str:
                     member = int(key.rpartition("/")[2]) if key.rpartition("/")[2].isdigit() else -1
                     said = names().get(member)
-                    return f"of rank {member}" + (f" ({said})" if said else "")
+                    return f"the address of rank {member}" + (f" ({said})" if said else "")
 
                 store = SignedStore(store, self._secret, context, name_key)
+                self._signed = store  # torch holds only its C++ part, which cannot call its methods alone
             return super()._create_pg(store, rank, world_size)
 
     return ProvenGloo
