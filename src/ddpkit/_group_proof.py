@@ -328,9 +328,12 @@ class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does
         raw = bytes(self._inner.get(key))
         signature, value = raw[:DIGEST_BYTES], raw[DIGEST_BYTES:]
         if not hmac.compare_digest(signature, self._tag(key, value)):
+            name = self._name_key(key)
+            # An address: where it would have sent the group (signed with another secret, or a stranger's own).
+            pointed = (sockaddr(value) or sockaddr(raw)) if "address" in name else ""
             raise GroupProofError(
-                f"{self._name_key(key)} in the group's store was not written by a process that holds the job "
-                f"secret ({secret_source()}): a program that reached the store put its "
+                f"{name} in the group's store{f' (it points to {pointed})' if pointed else ''} was not written by a "
+                f"process that holds the job secret ({secret_source()}): a program that reached the store put its "
                 "own there, or that member runs with another secret. The group was not made; nothing of the job's "
                 f"data moved. Give every process of the job the same secret, and keep the job's ports where only "
                 f"the job reaches them; see {GUIDE}"
