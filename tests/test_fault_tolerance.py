@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -440,6 +441,73 @@ def test_fit_distributed_with_fault_tolerance_restarts_a_killed_group_and_hands_
     assert len({r["pid"] for r in _steps([outs[2]])}) == 2, "group-2 was not started again"
     assert all(len({r["pid"] for r in _steps([out])}) == 1 for out in outs[:2]), "a survivor was restarted"
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, [tmp_path / "fit"])
+
+
+_USERS_OWN_CLASSES = """
+import sys, torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from ddpkit import TrainLoop
+from ddpkit.examples.digits import digits_datasets
+from ddpkit.fault_tolerance import TorchFT
+
+class Digits(Dataset):  # defined in the script, as users do
+    def __init__(self, tensors):
+        self.images, self.labels = tensors
+    def __len__(self):
+        return len(self.labels)
+    def __getitem__(self, index):
+        return self.images[index], self.labels[index]
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(64, 10)
+    def forward(self, images):
+        return self.layer(images)
+
+def collate(items):
+    images, labels = zip(*items)
+    return torch.stack(images), torch.stack(labels)
+
+def build(fault_tolerance):
+    train_set, val_set = digits_datasets(seed=0)
+    torch.manual_seed(0)
+    model = Net()
+    return TrainLoop(model, DataLoader(Digits(train_set.tensors), batch_size=16, shuffle=True, collate_fn=collate),
+                     DataLoader(Digits(val_set.tensors), batch_size=50, collate_fn=collate),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.05), global_batch_size=64, progress=False,
+                     fault_tolerance=fault_tolerance)
+
+if __name__ == "__main__":
+    loop = build(TorchFT(timeout=5.0, quorum_timeout=30.0))
+    history = loop.fit_distributed(1, num_processes=2)
+    reference = build(None)
+    reference.fit(1)
+    gap = max(float((a - b).abs().max()) for a, b in zip(loop.model.state_dict().values(),
+                                                         reference.model.state_dict().values()))
+    print("GAP", gap, "STEPS", loop.global_step, flush=True)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_fit_distributed_with_fault_tolerance_trains_a_dataset_model_and_collate_function_of_the_users_script(
+    tmp_path: Path,
+) -> None:
+    """A script that defines its Dataset, model and collate function itself (the common case) and calls
+    `fit_distributed(1, num_processes=2)` with fault tolerance: the groups find the script's classes (as a spawned
+    DDP worker does) and hand back the weights of one process trained on the same global batches."""
+    script = tmp_path / "train.py"
+    script.write_text(_USERS_OWN_CLASSES)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=170,
+                          cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Can't get attribute" not in done.stderr
+    gap, steps = re.search(r"GAP (\S+) STEPS (\d+)", done.stdout).groups()  # type: ignore[union-attr]
+    assert int(steps) == 23, done.stdout
+    assert float(gap) < 1e-5, done.stdout
 
 
 def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() -> None:

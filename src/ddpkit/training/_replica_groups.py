@@ -5,10 +5,18 @@ The parent writes ``(loop, num_epochs, callbacks, random state)`` to ``loop.pick
 user can read (``mkdtemp``), starts the groups with ``python -m ddpkit.training._replica_groups DIRECTORY``
 as their script, and reads back what each group wrote when it finished: its weights and run state, as plain
 tensors and values (loaded with ``weights_only=True``).
+
+Before the loop, the file holds what :mod:`multiprocessing`'s spawn start method hands a child to prepare it
+(``multiprocessing.spawn.get_preparation_data``: the parent's ``sys.path``, working directory and main
+module), and each group prepares itself with it (``multiprocessing.spawn.prepare``) before it unpickles the
+loop, exactly as a spawned DDP worker does: a Dataset, model or collate function defined in the user's
+script is found (the script is imported again as ``__mp_main__``, its ``if __name__ == "__main__"`` block
+not run).
 """
 
 from __future__ import annotations
 
+import multiprocessing.spawn
 import os
 import pickle
 import shutil
@@ -17,7 +25,7 @@ import tempfile
 from collections import defaultdict
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +62,7 @@ def fit_replica_groups(
         loop.fault_tolerance = replace(settings, lighthouse=None, replica_id=None)
         try:
             with open(directory / _LOOP_FILE, "wb") as handle:
+                pickle.dump(_preparation(), handle)
                 pickle.dump((loop, num_epochs, callbacks, rng_state()), handle)
         finally:
             loop.fault_tolerance = settings
@@ -80,10 +89,18 @@ def fit_replica_groups(
     return dict(state.history)
 
 
+def _preparation() -> dict[str, Any]:
+    """What a spawned child needs to unpickle what the parent's main module defines (its authkey left out)."""
+    data: dict[str, Any] = multiprocessing.spawn.get_preparation_data("replica-group")
+    data.pop("authkey", None)
+    return data
+
+
 def _run_group(directory: Path) -> None:
     """One replica group's process: ``fit`` the pickled loop, then write this group's result."""
-    with open(directory / _LOOP_FILE, "rb") as handle:
-        loop, num_epochs, callbacks, random_state = pickle.load(handle)  # written by this user's parent
+    with open(directory / _LOOP_FILE, "rb") as handle:  # written by this user's parent
+        multiprocessing.spawn.prepare(pickle.load(handle))  # the parent's sys.path, directory, main module
+        loop, num_epochs, callbacks, random_state = pickle.load(handle)
     set_rng_state(random_state)
     loop.fit(num_epochs, callbacks=callbacks)
     state = {field.name: getattr(loop.state, field.name) for field in fields(RunState) if field.init}
