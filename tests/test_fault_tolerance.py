@@ -444,10 +444,10 @@ def test_fit_distributed_with_fault_tolerance_restarts_a_killed_group_and_hands_
 
 
 _USERS_OWN_CLASSES = """
-import sys, torch
+import os, sys, torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from ddpkit import TrainLoop
+from ddpkit import Callback, TrainLoop
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.fault_tolerance import TorchFT
 
@@ -462,52 +462,60 @@ class Digits(Dataset):  # defined in the script, as users do
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layer = nn.Linear(64, 10)
+        self.layers = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
     def forward(self, images):
-        return self.layer(images)
+        return self.layers(images)
 
 def collate(items):
     images, labels = zip(*items)
     return torch.stack(images), torch.stack(labels)
 
-def build(fault_tolerance):
+class KeepEachGroups(Callback):  # each group's weights, buffers and validation loss at each epoch's end
+    def on_epoch_end(self, train_loop):
+        kept = {"state": train_loop.model.state_dict(), "validation_loss": train_loop.state.history["validation_loss"]}
+        torch.save(kept, f"{os.environ['REPLICA_GROUP_ID']}-{train_loop.epoch}.pt")
+
+if __name__ == "__main__":
     train_set, val_set = digits_datasets(seed=0)
     torch.manual_seed(0)
     model = Net()
-    return TrainLoop(model, DataLoader(Digits(train_set.tensors), batch_size=16, shuffle=True, collate_fn=collate),
+    loop = TrainLoop(model, DataLoader(Digits(train_set.tensors), batch_size=16, shuffle=True, collate_fn=collate),
                      DataLoader(Digits(val_set.tensors), batch_size=50, collate_fn=collate),
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.05), global_batch_size=64, progress=False,
-                     fault_tolerance=fault_tolerance)
-
-if __name__ == "__main__":
-    loop = build(TorchFT(timeout=5.0, quorum_timeout=30.0))
-    history = loop.fit_distributed(1, num_processes=2)
-    reference = build(None)
-    reference.fit(1)
-    gap = max(float((a - b).abs().max()) for a, b in zip(loop.model.state_dict().values(),
-                                                         reference.model.state_dict().values()))
-    print("GAP", gap, "STEPS", loop.global_step, flush=True)
+                     fault_tolerance=TorchFT(timeout=5.0, quorum_timeout=30.0))
+    loop.fit_distributed(2, num_processes=2, callbacks=[KeepEachGroups()])
+    torch.save(loop.model.state_dict(), "handed-back.pt")
+    print("STEPS", loop.global_step, flush=True)
 """
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
-def test_fit_distributed_with_fault_tolerance_trains_a_dataset_model_and_collate_function_of_the_users_script(
+def test_fit_distributed_with_fault_tolerance_trains_a_users_own_classes_and_every_group_ends_each_epoch_alike(
     tmp_path: Path,
 ) -> None:
-    """A script that defines its Dataset, model and collate function itself (the common case) and calls
-    `fit_distributed(1, num_processes=2)` with fault tolerance: the groups find the script's classes (as a spawned
-    DDP worker does) and hand back the weights of one process trained on the same global batches."""
+    """A script that defines its Dataset, model (with BatchNorm) and collate function itself (the common case)
+    calls `fit_distributed(2, num_processes=2)` with fault tolerance: the groups find the script's classes (as a
+    spawned DDP worker does), end each epoch with the same weights, BatchNorm statistics and validation loss,
+    and name themselves in their logs."""
     script = tmp_path / "train.py"
     script.write_text(_USERS_OWN_CLASSES)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=170,
                           cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Can't get attribute" not in done.stderr
-    gap, steps = re.search(r"GAP (\S+) STEPS (\d+)", done.stdout).groups()  # type: ignore[union-attr]
-    assert int(steps) == 23, done.stdout
-    assert float(gap) < 1e-5, done.stdout
+    assert "STEPS 46" in done.stdout, done.stdout
+    said = done.stdout + done.stderr
+    assert re.search(r"\[group-[01]\] epoch +2/2", said), said[-3000:]
+    assert "[None]" not in said
+    assert "found in sys.modules" not in said, said[-3000:]
+    handed_back = torch.load(tmp_path / "handed-back.pt")
+    for epoch in (0, 1):
+        kept = [torch.load(tmp_path / f"group-{group}-{epoch}.pt") for group in (0, 1)]
+        assert kept[0]["validation_loss"] == kept[1]["validation_loss"], kept
+        for name, value in kept[0]["state"].items():
+            assert torch.allclose(value.double(), kept[1]["state"][name].double(), rtol=0, atol=1e-6), (epoch, name)
+    assert all(torch.equal(value, kept[0]["state"][name]) for name, value in handed_back.items())
 
 
 def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() -> None:

@@ -39,6 +39,12 @@ __all__ = ["FaultTolerantFit"]
 log = logging.getLogger(__name__)
 
 
+def _numeric_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's numeric buffers (BatchNorm's running statistics and batch count): what the groups average
+    each step (integer ones rounded), so that every group has the same."""
+    return [buffer for buffer in model.buffers() if buffer.dtype != torch.bool and not buffer.is_complex()]
+
+
 def _weight_norms(model: torch.nn.Module) -> torch.Tensor:
     """``(2,)`` float64 on the CPU: the L1 norm and the squared L2 norm of ``model``'s parameters (one copy to
     the CPU per device)."""
@@ -121,6 +127,7 @@ class FaultTolerantFit:
 
     def fit(self, num_epochs: int) -> None:
         """Train until ``num_epochs`` epochs are done (or a callback stops it), step by step with the quorum."""
+        self.settings = self.settings.resolved()  # the logs name this group (its id may come from the environment)
         group = self.settings.join(self.state_dict, self.load_state_dict)
         self.run.callbacks_handler.execute("on_epoch_begin")
         try:
@@ -161,11 +168,16 @@ class FaultTolerantFit:
             sums = self._share(step, epoch, low, participants, index)
         self._deal = (participants, index)
         own = _weight_norms(model) if index is not None else torch.zeros(2, dtype=torch.float64)
-        riding = torch.cat([sums, own])  # the loss sums and the weights' norms ride with the gradients
+        buffers = _numeric_buffers(model)
+        mine = torch.cat(
+            [b.detach().reshape(-1).double().cpu() for b in buffers] or [torch.zeros(0, dtype=torch.float64)]
+        )
+        # The loss sums, the weights' norms and the buffers (BatchNorm's statistics) ride with the gradients.
+        riding = torch.cat([sums, own, mine if index is not None else torch.zeros_like(mine)])
         if group.average_gradients(model.parameters(), also=riding):
             sums = riding[:2] * participants  # their mean over the participants -> their sum
             if index is not None:
-                self._check_same_weights(own, riding[2:], state.global_step + 1)
+                self._check_same_weights(own, riding[2:4], state.global_step + 1)
         if not group.commit():
             run.optimizer.zero_grad(set_to_none=True)
             state.failed_steps += 1
@@ -174,6 +186,10 @@ class FaultTolerantFit:
                 self.settings.replica_id, state.global_step + 1, ", ".join(self._members),
             )  # fmt: skip
             return
+        # Every group takes the participants' mean of the buffers, as DDP makes every rank's the same.
+        with torch.no_grad():
+            for buffer, mean in zip(buffers, torch.split(riding[4:], [b.numel() for b in buffers]), strict=True):
+                buffer.copy_((mean if buffer.is_floating_point() else mean.round()).view_as(buffer))
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
         done = min(self.size, len(self._order(state.epoch)) - self.position)
         lr = run.recipe.learning_rate(run.optimizer)

@@ -34,7 +34,6 @@ from ddpkit.training._messages import epoch_line, resume_line
 from ddpkit.training._new_processes import fit_on_new_processes
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Interval, Precision, Recipe, Scheduler, SchedulerFactory
-from ddpkit.training._replica_groups import fit_replica_groups
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import RunField, RunState
 from ddpkit.training._steps import GlobalBatch
@@ -417,6 +416,9 @@ class TrainLoop(TrainingRun):
                     "honoured: on several machines start each group as a process of its own (its REPLICA_GROUP_ID "
                     "and TORCHFT_LIGHTHOUSE set) and call fit()"
                 )
+            # Imported here: each group runs that module as its main (`python -m`), which warns if it was imported.
+            from ddpkit.training._replica_groups import fit_replica_groups
+
             return fit_replica_groups(self, self.fault_tolerance, num_epochs, num_processes, callbacks, max_restarts)
         return fit_on_new_processes(
             self, num_epochs, num_processes, grad_accumulation, callbacks, backend=backend, max_restarts=max_restarts,

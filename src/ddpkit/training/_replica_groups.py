@@ -70,7 +70,7 @@ def fit_replica_groups(
             "ddpkit.training._replica_groups", [str(directory)], groups=num_processes, max_restarts=max_restarts,
             module=True, lighthouse=settings.lighthouse, min_replicas=settings.min_replicas,
         )  # fmt: skip
-        finished = sorted(directory.glob("result-*.pt"))
+        finished = sorted(directory.glob("result-*.pt"), key=lambda path: path.stat().st_mtime_ns)  # first first
         failed = [(group, status) for group, status in enumerate(statuses) if status != 0]
         if failed or not finished:
             group, status = failed[0] if failed else (0, statuses[0])
