@@ -374,6 +374,43 @@ def test_a_fault_tolerant_job_whose_every_group_died_resumes_from_trainloops_che
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(again, again, count=False)
 
 
+_SLURM_TASK = {"SLURM_JOB_ID": "41", "SLURM_JOB_NAME": "digits", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+               "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost"}  # fmt: skip
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_slurms_warning_to_one_group_stops_every_group_at_one_step_with_a_checkpoint_they_resume_from(
+    tmp_path: Path,
+) -> None:
+    """Two groups, each a SLURM task with a checkpoint_dir; SIGUSR1 (`#SBATCH --signal=USR1@90`) reaches one of
+    them only: it rides with the next step's gradients, so both stop after that same committed step, the group
+    that writes checkpoints saves one and says so (once), and both exit with Preempted's status 1. Started
+    again, they resume at that step and end with one process's weights."""
+    outs = [tmp_path / f"r{i}" for i in range(2)]
+    checkpoints = tmp_path / "checkpoints"
+    with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
+        processes = [_spawn_loop(f"r{i}", lighthouse.address, out, 0, STEP_DELAY_S, str(checkpoints), env=_SLURM_TASK)
+                     for i, out in enumerate(outs)]  # fmt: skip
+        wait_for(lambda: len(_steps([outs[1]])) >= 20, "20 steps", processes, timeout=120)
+        os.kill(processes[1].pid, signal.SIGUSR1)
+        for process in processes:
+            process.wait(timeout=60)
+        logs = [Path(f"{out}.log").read_text() for out in outs]
+        assert [process.returncode for process in processes] == [1, 1], [log[-2000:] for log in logs]
+        last = [max(r["step"] for r in _steps([out])) for out in outs]
+        assert last[0] == last[1], f"the groups stopped after steps {last}"
+        said = [line for log in logs for line in log.splitlines() if line.startswith("ddpkit: SIGUSR1 at step")]
+        assert said == [f"ddpkit: SIGUSR1 at step {last[0] + 1}: checkpoint saved in {checkpoints}; requeue=False: "
+                        "the job stops"], said  # fmt: skip
+        again = [tmp_path / f"r{i}-again" for i in range(2)]
+        processes = [_spawn_loop(f"r{i}", lighthouse.address, out, 0, 0.0, str(checkpoints)) for i, out in
+                     enumerate(again)]  # fmt: skip
+        _finish(processes, again)
+    assert min(r["step"] for r in _steps(again)) == last[0] + 1, "not resumed after the step both stopped at"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(again, again, count=False)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_while_the_others_go_on(

@@ -172,8 +172,10 @@ class FaultTolerantFit:
         mine = torch.cat(
             [b.detach().reshape(-1).double().cpu() for b in buffers] or [torch.zeros(0, dtype=torch.float64)]
         )
-        # The loss sums, the weights' norms and the buffers (BatchNorm's statistics) ride with the gradients.
-        riding = torch.cat([sums, own, mine if index is not None else torch.zeros_like(mine)])
+        # The loss sums, the weights' norms, SLURM's signals and the buffers (BatchNorm's statistics) ride with
+        # the gradients.
+        flags = run.preemption.received_flags()
+        riding = torch.cat([sums, own, flags, mine if index is not None else torch.zeros_like(mine)])
         if group.average_gradients(model.parameters(), also=riding):
             sums = riding[:2] * participants  # their mean over the participants -> their sum
             if index is not None:
@@ -188,7 +190,7 @@ class FaultTolerantFit:
             return
         # Every group takes the participants' mean of the buffers, as DDP makes every rank's the same.
         with torch.no_grad():
-            for buffer, mean in zip(buffers, torch.split(riding[4:], [b.numel() for b in buffers]), strict=True):
+            for buffer, mean in zip(buffers, torch.split(riding[6:], [b.numel() for b in buffers]), strict=True):
                 buffer.copy_((mean if buffer.is_floating_point() else mean.round()).view_as(buffer))
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
         done = min(self.size, len(self._order(state.epoch)) - self.position)
@@ -205,7 +207,11 @@ class FaultTolerantFit:
         self._writer = index == 0
         run.callbacks_handler.execute("on_batch_end")
         every = run.checkpoint_every
-        if self._writer and every and run.checkpoint_dir is not None and state.global_step % every == 0:
+        if signum := run.preemption.signal_of(riding[4:6]):  # SLURM's warning or stop reached some group
+            if self._writer:
+                run._save_checkpoint(self.position)
+            run.preemption.stop(signum, state.global_step, str(run.checkpoint_dir), leader=self._writer)
+        elif self._writer and every and run.checkpoint_dir is not None and state.global_step % every == 0:
             run._save_checkpoint(self.position)
 
     def _check_same_weights(self, own: torch.Tensor, mean: torch.Tensor, step: int) -> None:

@@ -341,7 +341,8 @@ class TrainLoop(TrainingRun):
             tqdm.write(line := resume_line(self, num_epochs))
             log.info(line)
         self.callbacks_handler.execute("on_train_begin")
-        run.fit(num_epochs)
+        with self.preemption.watching(self.checkpoint_dir is not None):
+            run.fit(num_epochs)
         self.callbacks_handler.execute("on_train_end")
         return dict(self.history)
 

@@ -89,15 +89,30 @@ class PreemptionHandler:
             return 0
         return int(sync_ddp(torch.tensor(self.received, dtype=torch.int64), reduce_op="max").item())
 
-    def stop(self, signum: int, step: int, checkpoint: str) -> None:
-        """Requeue (rank 0, if asked), say so, and raise :class:`Preempted` (every rank).
+    def received_flags(self) -> torch.Tensor:
+        """``(2,)`` float64: whether this process received SIGUSR1, SIGTERM (zeros when not watching). A
+        fault-tolerant step averages them over its groups: a non-zero mean is a signal some group received."""
+        received = self.received if self.active else 0
+        return torch.tensor([float(received == sig) for sig in PREEMPTION_SIGNALS], dtype=torch.float64)
+
+    @staticmethod
+    def signal_of(flags: torch.Tensor) -> int:
+        """The signal that :meth:`received_flags`, averaged, says some group received (0: none)."""
+        return next((int(sig) for sig, flag in zip(PREEMPTION_SIGNALS, flags.tolist(), strict=True) if flag > 0), 0)
+
+    def stop(self, signum: int, step: int, checkpoint: str, *, leader: bool | None = None) -> None:
+        """Requeue (the leader, if asked), say so, and raise :class:`Preempted` (every rank).
+
+        Args:
+            leader: whether this process says it and requeues (default: rank 0; a fault-tolerant job's
+                group that wrote the checkpoint).
 
         Raises:
             Preempted: always.
-            subprocess.CalledProcessError: ``scontrol requeue`` failed (rank 0).
+            subprocess.CalledProcessError: ``scontrol requeue`` failed (the leader).
         """
         name = signal.Signals(signum).name
-        if get_rank() == 0:
+        if get_rank() == 0 if leader is None else leader:
             job = _job_id()
             then = f"requeueing job {job}: it resumes from there" if self.requeue else "requeue=False: the job stops"
             # Said first: the requeue cancels this step at once, and srun may forward nothing written after it.
