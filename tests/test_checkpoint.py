@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from ddpkit import checkpoint
-from ddpkit.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from ddpkit.checkpoint import STALE_AFTER_S, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ddpkit.training import TrainState
 
 
@@ -113,8 +114,38 @@ def test_a_writer_killed_at_random_moments_always_leaves_a_whole_checkpoint(tmp_
         assert torch.equal(loaded["weights"], torch.full((2_000_000,), float(loaded["step"])))
         steps.append(loaded["step"])
     assert all(step >= 1 for step in steps)
+    left = _leftovers(tmp_path)
     save_checkpoint(_state(9), path)
+    assert _leftovers(tmp_path) == left, "a fresh temporary file may be another writer's: kept"
+    for leftover in left:  # as if the killed writers had left them long ago
+        os.utime(tmp_path / leftover, (time.time() - STALE_AFTER_S - 1,) * 2)
+    save_checkpoint(_state(10), path)
     assert _leftovers(tmp_path) == [], "a successful write removes what killed writers left"
+
+
+def test_two_writers_at_once_both_succeed_and_leave_a_whole_file(tmp_path: Path) -> None:
+    """Two writers that each believe they write the checkpoint (two fault-tolerant groups that were each
+    participant 0 of a quorum), 20 times each at once: neither removes the other's temporary file (the first
+    to finish did, and the other's rename failed), and the file is a whole one of theirs."""
+    path = tmp_path / "last.pt"
+    errors: list[BaseException] = []
+
+    def write(first: int) -> None:
+        try:
+            for step in range(first, first + 40, 2):
+                save_checkpoint({"step": step, "weights": torch.full((500_000,), float(step))}, path)
+        except BaseException as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write, args=(first,)) for first in (1, 2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=60)
+    assert errors == []
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded["weights"], torch.full((500_000,), float(loaded["step"])))
+    assert _leftovers(tmp_path) == []
 
 
 class _Custom:

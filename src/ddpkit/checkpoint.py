@@ -16,6 +16,7 @@ import glob
 import os
 import random
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,19 @@ __all__ = ["CHECKPOINT_FILE", "load_checkpoint", "rng_state", "save_checkpoint",
 #: The file name of the latest checkpoint in a checkpoint directory.
 CHECKPOINT_FILE = "last.pt"
 _TEMPORARY_SUFFIX = ".tmp"
+#: Seconds after which a temporary file nobody changed counts as a killed writer's (removed by the next write).
+STALE_AFTER_S = 600.0
 
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write ``state`` to ``path`` atomically (temporary file, flush, fsync, rename, fsync of the directory).
 
     Call it from one process per ``path`` (:class:`~ddpkit.TrainLoop` writes on
-    rank 0 only). The temporary file is ``.<name>.<random>.tmp`` beside ``path``;
-    ones left by a writer that was killed are removed after the next successful write.
+    rank 0 only); two that write at once each leave a whole file, the last one's.
+    The temporary file is ``.<name>.<random>.tmp`` beside ``path``; ones left by
+    a writer that was killed are removed by the next successful write once they
+    have not changed for :data:`STALE_AFTER_S` seconds (a newer one may be
+    another writer's, still writing).
 
     Raises:
         OSError: the directory cannot be created or written; ``path`` is untouched.
@@ -54,9 +60,11 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> None
             os.unlink(temporary)
         raise
     _fsync_directory(target.parent)
+    old = time.time() - STALE_AFTER_S
     for stale in target.parent.glob(f"{glob.escape(prefix)}*{_TEMPORARY_SUFFIX}"):
         with contextlib.suppress(OSError):
-            stale.unlink()
+            if stale.stat().st_mtime < old:
+                stale.unlink()
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:
