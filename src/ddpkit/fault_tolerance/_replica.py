@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -74,6 +75,7 @@ class ReplicaGroup:
     ) -> None:  # fmt: skip
         torchft = torchft_module()
         managers = torchft_module("torchft.manager")
+        _quiet_flight_recorder_warning()
         local = _local_address(lighthouse)
         secret = job_secret()
         if secret is None:
@@ -156,6 +158,23 @@ class ReplicaGroup:
         self._manager.shutdown(wait=False)
         release_store(self._store_port)
         self._store_port = None
+
+
+class _NoFlightRecorderWarning(logging.Filter):
+    """Drops torchft's "Unable to reset NCCL flight recorder" warning, which a torch without NCCL (a CPU build)
+    prints at every new quorum of every group: there is no NCCL flight recorder to reset."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+def _quiet_flight_recorder_warning() -> None:
+    """Install :class:`_NoFlightRecorderWarning` on torchft's manager logger once, where torch has no NCCL."""
+    logger = logging.getLogger("torchft.manager")
+    if not torch.distributed.is_nccl_available() and not any(
+        isinstance(f, _NoFlightRecorderWarning) for f in logger.filters
+    ):
+        logger.addFilter(_NoFlightRecorderWarning())
 
 
 def _warn_without_secret() -> None:
