@@ -176,10 +176,12 @@ class FaultTolerantFit:
         # the gradients.
         flags = run.preemption.received_flags()
         riding = torch.cat([sums, own, flags, mine if index is not None else torch.zeros_like(mine)])
+        # Views of riding: their means over the participants once it has been averaged.
+        mean_sums, mean_norms, mean_flags, mean_buffers = torch.split(riding, [2, 2, 2, mine.numel()])
         if group.average_gradients(model.parameters(), also=riding):
-            sums = riding[:2] * participants  # their mean over the participants -> their sum
+            sums = mean_sums * participants  # their mean over the participants -> their sum
             if index is not None:
-                self._check_same_weights(own, riding[2:4], state.global_step + 1)
+                self._check_same_weights(own, mean_norms, state.global_step + 1)
         if not group.commit():
             run.optimizer.zero_grad(set_to_none=True)
             state.failed_steps += 1
@@ -190,7 +192,7 @@ class FaultTolerantFit:
             return
         # Every group takes the participants' mean of the buffers, as DDP makes every rank's the same.
         with torch.no_grad():
-            for buffer, mean in zip(buffers, torch.split(riding[6:], [b.numel() for b in buffers]), strict=True):
+            for buffer, mean in zip(buffers, torch.split(mean_buffers, [b.numel() for b in buffers]), strict=True):
                 buffer.copy_((mean if buffer.is_floating_point() else mean.round()).view_as(buffer))
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
         done = min(self.size, len(self._order(state.epoch)) - self.position)
@@ -207,7 +209,7 @@ class FaultTolerantFit:
         self._writer = index == 0
         run.callbacks_handler.execute("on_batch_end")
         every = run.checkpoint_every
-        if signum := run.preemption.signal_of(riding[4:6]):  # SLURM's warning or stop reached some group
+        if signum := run.preemption.signal_of(mean_flags):  # SLURM's warning or stop reached some group
             if self._writer:
                 run._save_checkpoint(self.position)
             run.preemption.stop(signum, state.global_step, str(run.checkpoint_dir), leader=self._writer)
