@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -75,6 +76,10 @@ def _seed_example(number: int) -> list[list[float]]:
 
 @pytest.mark.parametrize("number", [1, 2, 30, 4])
 def test_the_seeds_examples_register_and_synchronise(number: int) -> None:
+    if number in (2, 4) and torch.cuda.is_available():  # PowerSGD on these CPU models would crash at step 5000
+        with pytest.raises(DDPKitError, match=r"calls torch.cuda.synchronize\(\) on the gradients' device"):
+            run_parallel(_seed_example, number)
+        return
     rank0, rank1 = run_parallel(_seed_example, number)
     assert rank0 == rank1, "every rank holds the same averaged gradient"
 
@@ -107,6 +112,10 @@ def test_every_hook_and_wrapper_name_trains(hook: str, wrapper: str | None) -> N
         return  # refused at registration, not at the first backward
     if hook == "batched_powersgd" and not batched_powersgd_works():
         with pytest.raises(DDPKitError, match=r"batched_powerSGD_hook fails at its first compressed step"):
+            run_parallel(_named, hook, wrapper)
+        return
+    if hook in ("powersgd", "batched_powersgd") and torch.cuda.is_available():  # these models are on the CPU
+        with pytest.raises(DDPKitError, match=r"calls torch.cuda.synchronize\(\) on the gradients' device"):
             run_parallel(_named, hook, wrapper)
         return
     rank0, rank1 = run_parallel(_named, hook, wrapper)
@@ -165,6 +174,18 @@ def _powersgd_training(epochs: int) -> tuple[float, float]:
     return loss_sum / count, accuracy
 
 
+def _post_local_sgd_beside_a_gpu() -> list[list[float]]:
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        return _named("post_localsgd", None)
+
+
+def test_post_local_sgd_of_a_cpu_model_averages_over_the_node_on_a_machine_with_a_gpu() -> None:
+    """torch's own subgroup would be one per GPU: with one GPU, every rank alone and the replicas drifting apart."""
+    rank0, rank1 = run_parallel(_post_local_sgd_beside_a_gpu)
+    assert rank0 == rank1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch's PowerSGD hook crashes for a CPU model beside a GPU")
 def test_powersgd_training_on_the_digits_converges() -> None:
     """Rank-1 PowerSGD from step 2, 5 epochs (measured: loss 0.17, accuracy 0.94; uncompressed 0.12, 0.96).
 
@@ -196,6 +217,9 @@ def _bad(case: str) -> str:
             register_ddp_comm_hook(model, None, None, "fp16")
         elif case == "signature":
             register_ddp_comm_hook(model, None, lambda bucket: bucket)  # type: ignore[arg-type, return-value]
+        elif case == "powersgd for a cpu model beside a gpu":
+            with mock.patch.object(torch.cuda, "is_available", return_value=True):
+                register_ddp_comm_hook(model, None, "powersgd", "fp16")
         elif case == "state twice":
             register_ddp_comm_hook(model, None, "allreduce", state=dist.group.WORLD)
             register_ddp_comm_hook(model, dist.group.WORLD, "allreduce", state=dist.group.WORLD)
@@ -216,6 +240,10 @@ def _bad(case: str) -> str:
         ("wrapper alone", "ValueError: ddp_comm_wrapper wraps a hook: pass ddp_comm_hook too"),
         ("signature", "TypeError: ddp_comm_hook must be callable as hook(state, bucket)"),
         ("state twice", "TypeError: pass the hook's state once"),
+        (
+            "powersgd for a cpu model beside a gpu",
+            "DDPKitError: torch's powerSGD_hook calls torch.cuda.synchronize() on the gradients' device whenever CUDA",
+        ),
     ],
 )
 def test_bad_input_is_refused_at_registration(case: str, message: str) -> None:

@@ -4,8 +4,9 @@ Built on ``torch.distributed.algorithms.ddp_comm_hooks``. What ddpkit adds:
 names (``"fp16"``, ``"powersgd"``, ...) with sensible default states, and checks
 at registration instead of a crash at the first backward: the model is a
 ``DistributedDataParallel``, the state has the type the hook expects, the
-backend can all-reduce the compression dtype on the parameters' device, and
-post-local-SGD gets a subgroup that exists on a CPU machine too.
+backend can all-reduce the compression dtype on the parameters' device,
+post-local-SGD gets a subgroup that exists for a CPU model too, and PowerSGD is
+refused for a CPU model on a machine with a GPU (torch's hook would crash).
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ def register_ddp_comm_hook(
             hook (e.g. a process group where PowerSGD needs a ``PowerSGDState``).
         DDPKitError: the hook cannot run here (bf16 compression needs CUDA with
             NCCL 2.10+, or XPU with XCCL: not gloo; torch 2.13's
-            ``batched_powerSGD_hook`` is broken), the backend cannot all-reduce
+            ``batched_powerSGD_hook`` is broken; torch's PowerSGD hooks call
+            ``torch.cuda.synchronize`` on the gradients' device whenever CUDA
+            is available, so they crash for a CPU model on a machine with a
+            GPU), the backend cannot all-reduce
             the compression dtype on the parameters' device, or a hook was already
             registered on this model.
     """
@@ -130,7 +134,15 @@ def register_ddp_comm_hook(
             f"torch {torch.__version__}'s batched_powerSGD_hook fails at its first compressed step (it hands a 2-D "
             "matrix to _orthogonalize, which needs a batch of matrices); use 'powersgd', or a torch where it is fixed"
         )
-    hook_state = _state_for(hook, ddp_comm_state)
+    device = _parameter_device(model)
+    hook_state = _state_for(hook, ddp_comm_state, device)
+    if hook in _POWER_SGD and device.type == "cpu" and torch.cuda.is_available():
+        raise DDPKitError(
+            f"torch's {hook.__qualname__} calls torch.cuda.synchronize() on the gradients' device whenever CUDA is "
+            "available, and this model's parameters are on the CPU of a machine with a GPU: it would crash at its "
+            "first compressed step. Put the model on its GPU (backend 'nccl'), or hide the GPU from this CPU job "
+            "(CUDA_VISIBLE_DEVICES='' before the job starts)"
+        )
     for part in (hook, wrapper):
         if part in _DTYPES:
             _probe_backend(model, _DTYPES[part], hook_state)
@@ -165,7 +177,12 @@ def _check_arity(fn: Callable[..., Any], count: int, name: str, shape: str) -> N
         ) from None
 
 
-def _state_for(hook: Any, given: object | None) -> object | None:
+def _parameter_device(model: DistributedDataParallel) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _state_for(hook: Any, given: object | None, device: torch.device) -> object | None:
     """The state to register ``hook`` with: ``given`` (checked), or a default for known hooks."""
     if hook in _PROCESS_GROUP_STATE:
         if given is not None and not isinstance(given, dist.ProcessGroup):
@@ -187,9 +204,10 @@ def _state_for(hook: Any, given: object | None) -> object | None:
             )
         if not isinstance(given, post_local_sgd.PostLocalSGDState):
             raise TypeError(f"post_localSGD_hook needs a PostLocalSGDState as its state, got {type(given).__name__}")
-        if given.subgroup is None and not torch.cuda.is_available():
-            # torch would create it at the first backward after start_localSGD_iter with
-            # new_subgroups(), sized by the CUDA device count: a crash on CPU. One per node, now.
+        if given.subgroup is None and device.type != "cuda":
+            # torch would create it at the first backward after start_localSGD_iter with new_subgroups(),
+            # sized by the CUDA device count: a crash on a machine without a GPU, and on one with a GPU a
+            # subgroup per GPU (no averaging at all for a CPU model beside one GPU). One per node, now.
             world = dist.get_world_size()
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             size = per_node if world % per_node == 0 else world
@@ -231,8 +249,7 @@ def _check_bf16_supported() -> None:
 
 def _probe_backend(model: DistributedDataParallel, dtype: torch.dtype, state: object | None) -> None:
     """All-reduce one element of ``dtype`` on the parameters' device: the backend can, or a clear error."""
-    parameter = next(model.parameters(), None)
-    device = parameter.device if parameter is not None else torch.device("cpu")
+    device = _parameter_device(model)
     group = state if isinstance(state, dist.ProcessGroup) else getattr(state, "process_group", None)
     backend = dist.get_backend(group)
     try:

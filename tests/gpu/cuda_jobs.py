@@ -39,8 +39,11 @@ def collectives() -> dict[str, Any]:
     found["mean"] = (str(mean.device), float(mean))
     objects = ddpkit.all_gather_object({"rank": rank, "t": torch.full((2,), float(rank), device=device)})
     found["objects"] = [(item["rank"], str(item["t"].device), item["t"].tolist()) for item in objects]
-    synced = ddpkit.sync_dicts_ddp({"emb": torch.full((rank + 1, 3), float(rank), device=device)}, world)
+    embeddings = {"emb": torch.full((rank + 1, 3), float(rank), device=device)}
+    on_cpu = ddpkit.sync_dicts_ddp(embeddings, world)  # OML's default: device="cpu"
+    synced = ddpkit.sync_dicts_ddp(embeddings, world, device)
     found["dict"] = (str(synced["emb"].device), list(synced["emb"].shape))
+    found["dict_default"] = str(on_cpu["emb"].device)
     batch = {"x": torch.ones(2), "nested": [torch.zeros(1), "label"]}
     moved = move_data_to_device(batch, device)
     found["moved"] = [str(moved["x"].device), str(moved["nested"][0].device), moved["nested"][1]]

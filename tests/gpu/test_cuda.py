@@ -9,6 +9,7 @@ Each job is a function of ``tests/gpu/cuda_jobs.py``, which also runs on CPU.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ def _check_collectives(found: dict[str, Any], rank: int, world: int, device: str
     assert found["mean"] == (device, sum(range(1, world + 1)) / world)
     assert found["objects"] == [(r, device, [float(r)] * 2) for r in range(world)]
     assert found["dict"] == (device, [sum(range(1, world + 1)), 3])
+    assert found["dict_default"] == "cpu", "OML's sync_dicts_ddp concatenates on device='cpu' unless told"
     assert found["moved"] == [device, device, "label"]
 
 
@@ -70,8 +72,15 @@ def test_train_loop_trains_on_cuda_local_rank() -> None:
 
 
 def test_the_flight_recorder_is_on_with_ddpkits_buffer_size_under_nccl() -> None:
-    found = launch(cuda_jobs.flight_recorder, nprocs=1, backend="nccl")[0]
-    assert found["TORCH_FR_BUFFER_SIZE"] == "256"
+    nprocs = min(GPUS, 2)
+    found = launch(cuda_jobs.flight_recorder, nprocs=nprocs, backend="nccl")[0]
+    preset = {name: os.environ.get(name) for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")}
+    if any(preset.values()):  # a size the machine or the user set is kept
+        assert {name: found[name] for name in preset} == preset
+    elif nprocs == 1:  # one rank waits for nobody: no hang watchdog, so no recorder either
+        assert found["TORCH_FR_BUFFER_SIZE"] is None
+    else:
+        assert found["TORCH_FR_BUFFER_SIZE"] == "256"
 
 
 def test_a_stream_ends_together_through_cuda_collectives() -> None:

@@ -55,11 +55,23 @@ __all__ = [
     "rdzv_configs",
     "rendezvous",
     "rendezvous_store",
+    "shutdown_grace",
     "translated_failures",
 ]
 
 #: Seconds the agent waits after SIGTERM before it SIGKILLs the remaining workers.
 SHUTDOWN_GRACE_S = 5
+
+
+def shutdown_grace() -> dict[str, Any]:
+    """``{"shutdown_timeout": SHUTDOWN_GRACE_S}`` for ``LaunchConfig``, or ``{}`` on a torch older than 2.13
+    (below our floor, but what GPU images often hold): its agent has no such setting and keeps its own 30 s."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    fields = getattr(LaunchConfig, "__dataclass_fields__", {})
+    return {"shutdown_timeout": SHUTDOWN_GRACE_S} if "shutdown_timeout" in fields else {}
+
+
 # Environment variables the elastic agent reads or writes in the launching process.
 _AGENT_ENV = (
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",

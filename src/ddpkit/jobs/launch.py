@@ -36,7 +36,6 @@ from typing import Any, Literal, TypeVar
 from ddpkit.environments.base import check_resolves
 from ddpkit.hangs._watchdog import TIMEOUT_VARIABLE, hang_timeout
 from ddpkit.jobs._agent import (
-    SHUTDOWN_GRACE_S,
     agent_scope,
     check_counts,
     default_nprocs,
@@ -44,6 +43,7 @@ from ddpkit.jobs._agent import (
     rdzv_configs,
     rendezvous,
     rendezvous_store,
+    shutdown_grace,
     translated_failures,
 )
 from ddpkit.jobs._rendezvous import BACKEND as RENDEZVOUS_BACKEND
@@ -198,8 +198,8 @@ def launch(
             monitor_interval=0.1,
             start_method=start_method,
             local_addr=local_addr,
-            shutdown_timeout=SHUTDOWN_GRACE_S,
             rdzv_configs=configs,
+            **shutdown_grace(),
         )
         spec = WorkerSpec(fn, failure_dir, dict(kwargs), backend, timeout, start_method, dict(os.environ))
         payload: Any = (spec, args)
@@ -308,7 +308,7 @@ def run_script(
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={rdzv_id}",
             f"--max-restarts={max_restarts}",
-            f"--shutdown-timeout={SHUTDOWN_GRACE_S}",
+            *(f"--shutdown-timeout={value}" for value in shutdown_grace().values()),
         ]
         if configs:
             argv.append("--rdzv-conf=" + ",".join(f"{key}={value}" for key, value in configs.items()))
