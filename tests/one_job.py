@@ -213,15 +213,26 @@ def run_case(entry: str, data: str, out_dir: str, context: str | None = None) ->
     }
 
 
-def run_all(out_dir: str, first: str) -> list[dict[str, Any]]:
-    """Every case, ``first``'s entry point first."""
+#: The data of the cases run in processes that made their group before any entry point (``spawn-tcp``,
+#: ``launch``): the group is what they test, and the DataLoader workers that such processes spawn (each
+#: importing torch again, every epoch) are tested by the session pool's cases; one case keeps them here.
+SPAWNED_DATA = ("map0", "stream0")
+SPAWNED_WITH_WORKERS = ("handler", "stream2")
+
+
+def run_all(out_dir: str, first: str, spawned: bool = False) -> list[dict[str, Any]]:
+    """Every case, ``first``'s entry point first (``spawned``: every entry point on :data:`SPAWNED_DATA`, and
+    :data:`SPAWNED_WITH_WORKERS`)."""
     order = [first, *(entry for entry in ENTRY_POINTS if entry != first)]
+    if spawned:
+        cases = [(entry, data) for entry in order for data in SPAWNED_DATA] + [SPAWNED_WITH_WORKERS]
+        return [run_case(entry, data, out_dir) for entry, data in cases]
     return [run_case(entry, data, out_dir) for entry in order for data in DATA]
 
 
-def run_and_write(out_dir: str, first: str) -> None:
+def run_and_write(out_dir: str, first: str, spawned: bool = False) -> None:
     """:func:`run_all`, this rank's results written to ``out_dir/rank<r>.json``."""
-    results = run_all(out_dir, first)
+    results = run_all(out_dir, first, spawned)
     Path(out_dir, f"rank{ddpkit.get_rank()}.json").write_text(json.dumps(results))
 
 
@@ -229,7 +240,7 @@ def _spawned(rank: int, world_size: int, init_method: str, out_dir: str) -> None
     """PyTorch's DDP tutorial's way: ``init_process_group`` with an explicit rank and world size."""
     dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=init_method)
     try:
-        run_and_write(out_dir, "fit")
+        run_and_write(out_dir, "fit", spawned=True)
     finally:
         dist.destroy_process_group()
 
@@ -241,7 +252,7 @@ def main() -> None:
         port = ddpkit.environments.find_free_port()
         torch.multiprocessing.spawn(_spawned, args=(2, f"tcp://127.0.0.1:{port}", out_dir), nprocs=2)
     elif way == "launch":
-        ddpkit.launch(run_and_write, out_dir, "fit", nprocs=2)
+        ddpkit.launch(run_and_write, out_dir, "fit", True, nprocs=2)
     else:
         run_and_write(out_dir, way)
 

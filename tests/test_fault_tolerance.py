@@ -18,6 +18,7 @@ import torch
 from ddpkit.errors import RendezvousFailedError
 from ddpkit.fault_tolerance import TorchFT, serve_lighthouse
 from ddpkit.fault_tolerance._torchft import torchft_module, url_host
+from ddpkit.training._replica_groups import _honoured
 from tests.ft_trainloop import (
     check_against_one_process as _check_every_item_once_per_epoch_and_the_weights_of_one_process,
 )
@@ -558,8 +559,19 @@ def test_fit_distributed_with_fault_tolerance_trains_a_users_own_classes_and_eve
 
 def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() -> None:
     loop = _digits_loop(fault_tolerance="torchft", global_batch_size=64)
-    with pytest.raises(ValueError, match=r"nnodes='1:2' cannot be honoured: on several machines"):
+    with pytest.raises(ValueError, match=r"cannot honour nnodes='1:2' \(one machine only\)\. On several machines"):
         loop.fit_distributed(1, nnodes="1:2")
+    with pytest.raises(ValueError, match=r"cannot honour rdzv_conf=") as refused:
+        loop.fit_distributed(1, backend="nccl", start_method="fork", rdzv_conf={"x": 1}, timeout=0)
+    for named in ("backend='nccl'", "start_method='fork'", "rdzv_conf={'x': 1}", "timeout=0 (a fault-tolerant step"):
+        assert named in str(refused.value)
+
+
+def test_fit_distributed_with_fault_tolerance_honours_gloo_and_the_timeout() -> None:
+    arguments = {"grad_accumulation": 1, "nnodes": 1, "rdzv_endpoint": None, "rdzv_conf": None, "start_method": "spawn"}
+    settings = _honoured(TorchFT(min_replicas=2), backend="gloo", timeout=12.5, **arguments)
+    assert settings == TorchFT(min_replicas=2, timeout=12.5), "the step's deadline, as DDP's hang timeout"
+    assert _honoured(TorchFT(timeout=7), backend=None, timeout=None, **arguments) == TorchFT(timeout=7)
 
 
 @pytest.mark.e2e

@@ -6,7 +6,8 @@ checkpoint, and the final weights equal those of the same code in the session
 pool (processes spawned with ``init_process_group(rank=, world_size=,
 init_method="file://...")``), which equal ``fit_distributed``'s. The code is
 ``tests/one_job.py``: the pool runs its cases, and every launcher row runs it
-as a script (end-to-end, one launch per row, every case in it).
+as a script (end-to-end, one launch per row, every case in it; the two ways whose processes make
+their group before any entry point run every entry point without DataLoader workers, and one case with).
 """
 
 from __future__ import annotations
@@ -69,12 +70,12 @@ def _as_in_the_ddp_tutorial(entry: str, data: str, out_dir: str) -> dict[str, An
     return one_job.run_case(entry, data, out_dir, "spawn")
 
 
-def _reference(tmp_path: Path) -> dict[tuple[str, str], list[float]]:
-    for entry, data in CASES:
-        if (entry, data) not in _REFERENCE:
-            results = run_parallel(_as_in_the_ddp_tutorial, entry, data, str(tmp_path), timeout=60)
-            _REFERENCE[entry, data] = results[0]["weights"]
-    return _REFERENCE
+def _reference(entry: str, data: str, tmp_path: Path) -> list[float]:
+    """The final weights of the case in the session pool (run there once per session, when first needed)."""
+    if (entry, data) not in _REFERENCE:
+        results = run_parallel(_as_in_the_ddp_tutorial, entry, data, str(tmp_path), timeout=60)
+        _REFERENCE[entry, data] = results[0]["weights"]
+    return _REFERENCE[entry, data]
 
 
 # --- in the session pool: processes that made their group with init_process_group(rank=, world_size=) ---------
@@ -92,7 +93,7 @@ def test_every_entry_point_is_one_job_under_a_group_made_by_hand(entry: str, dat
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_fit_distributed_ends_with_the_weights_of_a_fit_in_the_pool(tmp_path: Path) -> None:
-    reference = _reference(tmp_path / "pool")[("fit", "map0")]
+    reference = _reference("fit", "map0", tmp_path / "pool")
     loop = one_job.make_loop("map0", str(tmp_path / "ck"))
     loop.fit_distributed(1, num_processes=2)
     torch.testing.assert_close(torch.tensor(one_job.weights(loop.model)), torch.tensor(reference), rtol=0, atol=1e-5)
@@ -108,13 +109,14 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _launch_and_check(command: list[str], out: Path, reference: dict[tuple[str, str], list[float]]) -> None:
+def _launch_and_check(command: list[str], out: Path, pool: Path) -> None:
+    """Run the job; each of its cases holds the DDP invariants and ends with the pool's weights of that case."""
     out.mkdir()
     done = subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=240, env=_environment())
     assert done.returncode == 0, done.stdout + done.stderr
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for results in zip(*ranks, strict=True):
-        check_case(list(results), reference[results[0]["entry"], results[0]["data"]])
+        check_case(list(results), _reference(results[0]["entry"], results[0]["data"], pool))
 
 
 LAUNCHERS = {
@@ -130,7 +132,7 @@ LAUNCHERS = {
 def test_a_launcher_that_sets_only_variables_gets_one_job_from_every_entry_point(launcher: str, tmp_path: Path) -> None:
     prefix, first = LAUNCHERS[launcher]
     out = tmp_path / "job"
-    _launch_and_check([*prefix, str(SCRIPT), str(out), first], out, _reference(tmp_path / "pool"))
+    _launch_and_check([*prefix, str(SCRIPT), str(out), first], out, tmp_path / "pool")
     first_case = json.loads((out / "rank0.json").read_text())[0]
     assert (first_case["entry"], first_case["group_before"]) == (first, False), "the entry point made the group"
 
@@ -141,7 +143,7 @@ def test_a_launcher_that_sets_only_variables_gets_one_job_from_every_entry_point
 def test_srun_with_two_tasks_gets_one_job_from_every_entry_point(tmp_path: Path) -> None:
     out = tmp_path / "job"
     _launch_and_check(
-        ["srun", "-N", "2", "-n", "2", sys.executable, str(SCRIPT), str(out), "fit"], out, _reference(tmp_path / "pool")
+        ["srun", "-N", "2", "-n", "2", sys.executable, str(SCRIPT), str(out), "fit"], out, tmp_path / "pool"
     )
 
 
@@ -151,7 +153,7 @@ def test_srun_with_two_tasks_gets_one_job_from_every_entry_point(tmp_path: Path)
 def test_mpirun_with_two_ranks_gets_one_job_from_every_entry_point(tmp_path: Path) -> None:
     out = tmp_path / "job"
     command = ["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(SCRIPT), str(out), "handler"]
-    _launch_and_check(command, out, _reference(tmp_path / "pool"))
+    _launch_and_check(command, out, tmp_path / "pool")
 
 
 @pytest.mark.e2e
@@ -159,7 +161,7 @@ def test_mpirun_with_two_ranks_gets_one_job_from_every_entry_point(tmp_path: Pat
 @pytest.mark.parametrize("way", ["spawn-tcp", "launch"])
 def test_a_group_made_before_the_entry_points_is_used_as_it_is(way: str, tmp_path: Path) -> None:
     out = tmp_path / "job"
-    _launch_and_check([sys.executable, str(SCRIPT), str(out), way], out, _reference(tmp_path / "pool"))
+    _launch_and_check([sys.executable, str(SCRIPT), str(out), way], out, tmp_path / "pool")
     assert all(case["group_before"] for case in json.loads((out / "rank1.json").read_text()))
 
 

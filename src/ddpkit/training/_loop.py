@@ -25,7 +25,7 @@ from ddpkit.callbacks import Callback, CallbacksHandler
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT, torchft_settings
-from ddpkit.jobs.launch import StartMethod, scheduler_environment
+from ddpkit.jobs.launch import StartMethod
 from ddpkit.plotting import plot_history
 from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, rank_device
 from ddpkit.training._evaluation import predict_in_order
@@ -394,33 +394,25 @@ class TrainLoop(TrainingRun):
         under an elastic agent of its own that starts it again up to ``max_restarts`` times when it dies while
         the others go on, with a lighthouse in this process on loopback (unless the settings name one); this
         process then holds the weights and run state of the first group that finished. One machine only.
+        There ``timeout`` is the settings' ``timeout`` (seconds a step's collectives may take before the step
+        fails in every group), ``backend`` can only be ``"gloo"`` and ``start_method`` only ``"spawn"``.
 
         Raises:
-            ValueError: with ``fault_tolerance``: ``grad_accumulation``, ``nnodes`` or ``rdzv_endpoint`` given,
-                or a scheduler started this process.
+            ValueError: with ``fault_tolerance``: ``grad_accumulation``, ``nnodes``, ``rdzv_endpoint`` or
+                ``rdzv_conf`` given, another ``backend`` or ``start_method``, ``timeout=0``, or a scheduler
+                started this process (the message names each).
             HangError: the job hung (after ``max_restarts`` restarts).
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """
         if self.fault_tolerance is not None:
-            refused = {
-                name: value
-                for name, value, default in (
-                    ("grad_accumulation", grad_accumulation, 1), ("nnodes", nnodes, 1),
-                    ("rdzv_endpoint", rdzv_endpoint, None),
-                )
-                if value != default
-            }  # fmt: skip
-            if refused or scheduler_environment() is not None:
-                raise ValueError(
-                    f"fit_distributed with fault_tolerance runs num_processes replica groups on this machine; "
-                    f"{', '.join(f'{k}={v!r}' for k, v in refused.items()) or 'under a scheduler'} cannot be "
-                    "honoured: on several machines start each group as a process of its own (its REPLICA_GROUP_ID "
-                    "and TORCHFT_LIGHTHOUSE set) and call fit()"
-                )
             # Imported here: each group runs that module as its main (`python -m`), which warns if it was imported.
             from ddpkit.training._replica_groups import fit_replica_groups
 
-            return fit_replica_groups(self, self.fault_tolerance, num_epochs, num_processes, callbacks, max_restarts)
+            return fit_replica_groups(
+                self, self.fault_tolerance, num_epochs, num_processes, callbacks, max_restarts,
+                grad_accumulation=grad_accumulation, backend=backend, timeout=timeout, nnodes=nnodes,
+                rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,
+            )  # fmt: skip
         return fit_on_new_processes(
             self, num_epochs, num_processes, grad_accumulation, callbacks, backend=backend, max_restarts=max_restarts,
             timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,

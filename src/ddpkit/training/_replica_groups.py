@@ -35,6 +35,7 @@ from ddpkit.errors import WorkerFailedError
 from ddpkit.fault_tolerance import TorchFT
 from ddpkit.fault_tolerance._job import run_replica_groups
 from ddpkit.fault_tolerance._settings import REPLICA_ID_VARIABLE
+from ddpkit.jobs.launch import scheduler_environment
 from ddpkit.training._state import RunState
 
 if TYPE_CHECKING:
@@ -47,15 +48,17 @@ _LOOP_FILE = "loop.pickle"
 
 def fit_replica_groups(
     loop: TrainLoop, settings: TorchFT, num_epochs: int, num_processes: int, callbacks: list[Callback] | None,
-    max_restarts: int,
+    max_restarts: int, **launch_arguments: Any,
 ) -> dict[str, list[float]]:  # fmt: skip
     """Train ``loop`` as ``num_processes`` replica groups of one process on this machine, each started again
     up to ``max_restarts`` times when it dies; afterwards ``loop`` holds the weights and run state of the
-    first group that finished.
+    first group that finished. ``launch_arguments``: the rest of ``fit_distributed``'s, honoured or refused.
 
     Raises:
+        ValueError: an argument that cannot be honoured (:func:`_honoured`).
         WorkerFailedError: a group failed (after its restarts); no group finished.
     """
+    given, settings = settings, _honoured(settings, **launch_arguments)
     directory = Path(tempfile.mkdtemp(prefix="ddpkit-replica-groups-"))
     try:
         # Each group takes the lighthouse and its own id from the variables its agent sets.
@@ -65,7 +68,7 @@ def fit_replica_groups(
                 pickle.dump(_preparation(), handle)
                 pickle.dump((loop, num_epochs, callbacks, rng_state()), handle)
         finally:
-            loop.fault_tolerance = settings
+            loop.fault_tolerance = given
         statuses = run_replica_groups(
             "ddpkit.training._replica_groups", [str(directory)], groups=num_processes, max_restarts=max_restarts,
             module=True, lighthouse=settings.lighthouse, min_replicas=settings.min_replicas,
@@ -87,6 +90,39 @@ def fit_replica_groups(
     state.history = defaultdict(list, state.history)
     loop.state = state
     return dict(state.history)
+
+
+def _honoured(
+    settings: TorchFT, *, grad_accumulation: int, backend: str | None, timeout: float | None, nnodes: int | str,
+    rdzv_endpoint: str | None, rdzv_conf: object, start_method: str,
+) -> TorchFT:  # fmt: skip
+    """``settings`` with ``timeout`` in them; a ``ValueError`` naming every other argument that the replica
+    groups cannot honour, and why."""
+    refused = []
+    for name, value, default, why in (
+        ("grad_accumulation", grad_accumulation, 1, "a step commits once per global batch"),
+        ("nnodes", nnodes, 1, _ONE_MACHINE),
+        ("rdzv_endpoint", rdzv_endpoint, None, _ONE_MACHINE),
+        ("rdzv_conf", rdzv_conf, None, "the groups meet at the lighthouse, not at a rendezvous"),
+        ("backend", backend, None, "the groups all-reduce through torchft's gloo process group"),
+        ("start_method", start_method, "spawn", "each group is a new interpreter, as with 'spawn'"),
+    ):
+        if value != default and not (name == "backend" and value == "gloo"):
+            refused.append(f"{name}={value!r} ({why})")
+    if timeout == 0:
+        refused.append("timeout=0 (a fault-tolerant step needs a deadline to drop a group that hangs)")
+    if scheduler_environment() is not None:
+        refused.append(f"a scheduler started this process ({_ONE_MACHINE})")
+    if refused:
+        raise ValueError(
+            f"fit_distributed with fault_tolerance runs its replica groups on this machine; it cannot honour "
+            f"{'; '.join(refused)}. On several machines start each group as a process of its own (its "
+            "REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE set) and call fit()"
+        )
+    return settings if timeout is None else replace(settings, timeout=timeout)
+
+
+_ONE_MACHINE = "one machine only"
 
 
 def _preparation() -> dict[str, Any]:
