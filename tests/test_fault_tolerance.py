@@ -426,6 +426,11 @@ def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "restart 1 of 1: local rank 0 was killed by signal SIGKILL" in done.stderr, done.stderr[-3000:]
+    # The survivors name the group that died: gone from their next quorum, or back in it as a new process.
+    named = r"replica group group-[01] at step \d+: (.*; )?group-2 (left the quorum|came back as a new process)"
+    assert re.search(named, done.stderr), done.stderr[-3000:]
+    assert "group None" not in done.stderr
+    assert "[None]" not in done.stderr
     outs = [tmp_path / f"group-{i}" for i in range(3)]
     killed = next(r["kill"] for r in _records(outs[2]) if "kill" in r)
     for out in outs[:2]:
@@ -555,6 +560,29 @@ def test_fit_distributed_with_fault_tolerance_trains_a_users_own_classes_and_eve
         for name, value in kept[0]["state"].items():
             assert torch.allclose(value.double(), kept[1]["state"][name].double(), rtol=0, atol=1e-6), (epoch, name)
     assert all(torch.equal(value, kept[0]["state"][name]) for name, value in handed_back.items())
+
+
+def test_the_log_names_who_left_who_joined_and_who_came_back_as_a_new_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from ddpkit.training._fault_tolerant import FaultTolerantFit
+
+    fit = SimpleNamespace(settings=TorchFT(replica_id="group-0"), _processes=(), _members=())
+    steps = [("group-0:a", "group-1:b", "group-2:c"), ("group-0:a", "group-1:d", "group-2:c"),
+             ("group-0:a", "group-2:c"), ("group-0:a", "group-2:c", "group-3:e")]  # fmt: skip
+    with caplog.at_level("WARNING", logger="ddpkit.training._fault_tolerant"):
+        for step, processes in enumerate(steps):
+            FaultTolerantFit._note_members(fit, processes, step)  # type: ignore[arg-type]
+    assert [record.getMessage() for record in caplog.records] == [
+        "replica group group-0 at step 2: group-1 came back as a new process (it had died); the quorum is now "
+        "group-0, group-1, group-2",
+        "replica group group-0 at step 3: group-1 left the quorum (lost, hung, or late for the step's quorum); "
+        "the quorum is now group-0, group-2",
+        "replica group group-0 at step 4: group-3 joined; the quorum is now group-0, group-2, group-3",
+    ]
+    assert fit._members == ("group-0", "group-2", "group-3")
 
 
 def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() -> None:

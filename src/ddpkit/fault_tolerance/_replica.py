@@ -80,9 +80,9 @@ class ReplicaGroup:
         secret = job_secret()
         if secret is None:
             _warn_without_secret()
-        #: The replica ids of the last quorum, as this group's client received them.
+        #: The replica ids of the last quorum, as this group's client received them (``NAME:uuid``).
         self._quorum_ids: list[str] = []
-        self._group = proven_gloo(secret, timeout, lambda: self._quorum_ids)
+        self._group = proven_gloo(secret, timeout, lambda: [group_name(i) for i in self._quorum_ids])
         transport = TensorTransport(
             self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
             timeout,
@@ -124,6 +124,13 @@ class ReplicaGroup:
     def members(self) -> tuple[str, ...]:
         """The replica ids of the current step's quorum, recovering groups included, sorted (waits for the
         quorum)."""
+        self._manager.wait_quorum()
+        return tuple(sorted(group_name(i) for i in self._quorum_ids))
+
+    @property
+    def member_processes(self) -> tuple[str, ...]:
+        """The current step's quorum as torchft names its members, ``NAME:uuid`` with a new uuid each time a
+        group's process starts, sorted (waits for the quorum): a group started again shows here."""
         self._manager.wait_quorum()
         return tuple(sorted(self._quorum_ids))
 
@@ -222,16 +229,21 @@ def _manager_server_on(managers: Any, address: str) -> Iterator[None]:
             managers.ManagerServer = original
 
 
+def group_name(replica_id: str) -> str:
+    """A quorum member's replica id without the ``:uuid`` that torchft appends for each process."""
+    return replica_id.rpartition(":")[0] or replica_id
+
+
 class _RecordingClient:
     """torchft's ``ManagerClient``, keeping the replica ids of each quorum it receives (torchft's manager keeps
-    them to itself) in ``ids``, without the ``:uuid`` torchft appends."""
+    them to itself) in ``ids``."""
 
     def __init__(self, client: Any, ids: list[str]) -> None:
         self._client, self._ids = client, ids
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         quorum = self._client._quorum(*args, **kwargs)
-        self._ids[:] = [name.rpartition(":")[0] or name for name in quorum.replica_ids]
+        self._ids[:] = list(quorum.replica_ids)
         return quorum
 
     def _checkpoint_metadata(self, *args: Any, **kwargs: Any) -> Any:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
+from ddpkit.fault_tolerance._replica import group_name
 from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
 from ddpkit.training._messages import epoch_line
@@ -89,6 +90,7 @@ class FaultTolerantFit:
         self.position = run.state.begin_epoch()
         self._orders: dict[int, torch.Tensor] = {}
         self._members: tuple[str, ...] = ()
+        self._processes: tuple[str, ...] = ()
         self._writer = False  # whether this group was participant 0 of the last committed step
         self._deal: tuple[int, int | None] | None = None  # (participants, index) of the last step's quorum
 
@@ -157,7 +159,7 @@ class FaultTolerantFit:
         guess = self._deal
         sums = self._share(step, epoch, low, *guess) if guess is not None else torch.zeros(2, dtype=torch.float64)
         participants, index = group.participants, group.participant_index
-        self._note_members(group.members, state.global_step)
+        self._note_members(group.member_processes, state.global_step)
         if group.step == 0:  # the job's first quorum: every group but one takes that one's state (torchft's init_sync)
             self._synchronise(group)
             return
@@ -259,19 +261,24 @@ class FaultTolerantFit:
             sums += torch.tensor([float(loss.detach()) * len(chunk), len(chunk)], dtype=torch.float64)
         return sums
 
-    def _note_members(self, members: tuple[str, ...], step: int) -> None:
-        """Log who left or joined the quorum since the last step (the groups a lost or hung one leaves)."""
-        if self._members and members != self._members:
-            left, joined = sorted(set(self._members) - set(members)), sorted(set(members) - set(self._members))
+    def _note_members(self, processes: tuple[str, ...], step: int) -> None:
+        """Log who left, joined or was started again since the last step's quorum, in one line (``processes``:
+        the quorum's ``NAME:uuid`` ids, a new uuid for each process of a group)."""
+        now = {group_name(process): process for process in processes}
+        before = {group_name(process): process for process in self._processes}
+        if before and now != before:
+            left, joined = sorted(set(before) - set(now)), sorted(set(now) - set(before))
+            again = sorted(name for name in set(now) & set(before) if now[name] != before[name])
+            events = [
+                *([f"{', '.join(left)} left the quorum (lost, hung, or late for the step's quorum)"] if left else []),
+                *([f"{', '.join(again)} came back as a new process (it had died)"] if again else []),
+                *([f"{', '.join(joined)} joined"] if joined else []),
+            ]
             log.warning(
-                "replica group %s at step %d: %s%s; the quorum is now %s",
-                self.settings.replica_id, step + 1,
-                f"{', '.join(left)} left the quorum (lost, hung, or late for the step's quorum)"
-                if left else "",
-                ("; " if left and joined else "") + (f"{', '.join(joined)} joined" if joined else ""),
-                ", ".join(members),
+                "replica group %s at step %d: %s; the quorum is now %s",
+                self.settings.replica_id, step + 1, "; ".join(events), ", ".join(sorted(now)),
             )  # fmt: skip
-        self._members = members
+        self._processes, self._members = processes, tuple(sorted(now))
 
     def _end_epoch(self, num_epochs: int) -> None:
         """The epoch's loss, validation and schedule, the same in every group (each evaluates the whole split)."""
