@@ -426,6 +426,7 @@ def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "restart 1 of 1: local rank 0 was killed by signal SIGKILL" in done.stderr, done.stderr[-3000:]
+    assert "ddpkit: replica group group-2: restart 1 of 1: local rank 0 was killed" in done.stderr
     # The survivors name the group that died: gone from their next quorum, or back in it as a new process.
     named = r"replica group group-[01] at step \d+: (.*; )?group-2 (left the quorum|came back as a new process)"
     assert re.search(named, done.stderr), done.stderr[-3000:]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit._failures import earliest, hang_record, read_records
+from ddpkit.fault_tolerance._settings import REPLICA_ID_VARIABLE
 
 __all__ = ["VERBOSE_VARIABLE", "AgentLog", "agent_log", "is_verbose"]
 
@@ -58,8 +59,11 @@ class AgentLog:
         return f"torch's launcher log and every failed rank's traceback: {self.path}"
 
     def restart_line(self, restart: int, max_restarts: int) -> str:
-        """``ddpkit: restart 1 of 3: rank 1 failed: ValueError: boom (tracebacks: FILE)``."""
-        return f"ddpkit: restart {restart} of {max_restarts}: {self.cause()} (tracebacks: {self.path})"
+        """``ddpkit: restart 1 of 3: rank 1 failed: ValueError: boom (tracebacks: FILE)``; the agent of a
+        fault-tolerant job's replica group names it: ``ddpkit: replica group group-2: restart 1 of 3: ...``."""
+        group = os.environ.get(REPLICA_ID_VARIABLE)
+        where = f"replica group {group}: " if group else ""
+        return f"ddpkit: {where}restart {restart} of {max_restarts}: {self.cause()} (tracebacks: {self.path})"
 
     def cause(self) -> str:
         """Why this attempt's workers stopped, the first failure first (as ``WorkerFailedError`` decides)."""
