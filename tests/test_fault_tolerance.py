@@ -348,6 +348,9 @@ def test_a_trainloop_replica_that_hangs_inside_a_step_fails_that_step_and_is_nam
         log = Path(f"{out}.log").read_text()
         assert "step 31 was not committed" in log, log[-3000:]
         assert "r2 left the quorum" in log, log[-3000:]
+        # One line per event: the failed step's cause in it, torchft's tracebacks only at debug level.
+        assert re.search(r"step 31 was not committed \(replica groups r0, r1, r2\): \w+: .", log), log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
     _assert_trains_again(outs[2], hung)
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
 
@@ -584,6 +587,29 @@ def test_the_log_names_who_left_who_joined_and_who_came_back_as_a_new_process(
         "replica group group-0 at step 4: group-3 joined; the quorum is now group-0, group-2, group-3",
     ]
     assert fit._members == ("group-0", "group-2", "group-3")
+
+
+def test_torchfts_tracebacks_go_to_debug_and_a_failed_step_keeps_its_cause_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from ddpkit.fault_tolerance._replica import _first_line, _QuietTorchft
+
+    try:
+        raise RuntimeError("[/w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:11677: reset\nat ...")
+    except RuntimeError as exc:
+        error, failed = exc, logging.LogRecord("torchft.manager", logging.ERROR, "m.py", 1, "got exception", None,
+                                               sys.exc_info())  # fmt: skip
+    assert _first_line(error) == "RuntimeError: Read error [127.0.0.1]:11677: reset"
+    with caplog.at_level(logging.DEBUG, logger="ddpkit.fault_tolerance._replica"):
+        assert not _QuietTorchft(nccl=True).filter(failed), "torchft's traceback is not printed at ERROR"
+    assert [(r.levelno, r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+        (logging.DEBUG, "torchft: got exception", True)
+    ]
+    flight = logging.LogRecord("torchft.manager", logging.WARNING, "m.py", 1, "Unable to reset NCCL flight "
+                               "recorder", None, None)  # fmt: skip
+    assert (_QuietTorchft(nccl=False).filter(flight), _QuietTorchft(nccl=True).filter(flight)) == (False, True)
 
 
 def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -25,6 +26,7 @@ from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
 
 #: torchft's manager builds its server inside ``Manager.__init__`` with ``[::]`` (every interface) as the
 #: bind address; ddpkit swaps the class it builds for one call. The lock keeps two constructions apart.
+log = logging.getLogger(__name__)
 _CONSTRUCTION = threading.Lock()
 _warned_without_secret = False
 
@@ -75,13 +77,15 @@ class ReplicaGroup:
     ) -> None:  # fmt: skip
         torchft = torchft_module()
         managers = torchft_module("torchft.manager")
-        _quiet_flight_recorder_warning()
+        _quiet_torchft()
         local = _local_address(lighthouse)
         secret = job_secret()
         if secret is None:
             _warn_without_secret()
         #: The replica ids of the last quorum, as this group's client received them (``NAME:uuid``).
         self._quorum_ids: list[str] = []
+        #: Why the last step was not committed, as far as this group saw (``Type: message``), else ``None``.
+        self.failure: str | None = None
         self._group = proven_gloo(secret, timeout, lambda: [group_name(i) for i in self._quorum_ids])
         transport = TensorTransport(
             self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
@@ -157,7 +161,9 @@ class ReplicaGroup:
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step: then (only then) take the optimizer step.
-        Every group of the quorum calls it."""
+        Every group of the quorum calls it. When it is not, :attr:`failure` says why, as far as this group saw."""
+        error = self._manager.errored()
+        self.failure = None if error is None else _first_line(error.original_exception)
         return bool(self._manager.should_commit())
 
     def close(self) -> None:
@@ -167,21 +173,36 @@ class ReplicaGroup:
         self._store_port = None
 
 
-class _NoFlightRecorderWarning(logging.Filter):
-    """Drops torchft's "Unable to reset NCCL flight recorder" warning, which a torch without NCCL (a CPU build)
-    prints at every new quorum of every group: there is no NCCL flight recorder to reset."""
+class _QuietTorchft(logging.Filter):
+    """torchft's manager log, one line per event: a failed step's exception (torchft logs it with its
+    traceback, in every group, at every failure) goes to ddpkit's log at DEBUG, since :meth:`ReplicaGroup.commit`
+    keeps its first line for the group's own "step N was not committed" warning; and, on a torch without NCCL
+    (a CPU build), the "Unable to reset NCCL flight recorder" warning that every group prints at every new
+    quorum is dropped: there is no flight recorder to reset."""
+
+    def __init__(self, nccl: bool) -> None:
+        super().__init__()
+        self.nccl = nccl
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+        if record.exc_info and record.levelno >= logging.ERROR:
+            log.debug("torchft: %s", record.getMessage(), exc_info=record.exc_info)
+            return False
+        return self.nccl or "Unable to reset NCCL flight recorder" not in record.getMessage()
 
 
-def _quiet_flight_recorder_warning() -> None:
-    """Install :class:`_NoFlightRecorderWarning` on torchft's manager logger once, where torch has no NCCL."""
+def _first_line(error: BaseException) -> str:
+    """``Type: message``, its first line without gloo's source location, at most 200 characters."""
+    message = re.sub(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ", "", str(error).strip().partition("\n")[0])
+    text = f"{type(error).__name__}: {message}"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _quiet_torchft() -> None:
+    """Install :class:`_QuietTorchft` on torchft's manager logger, once."""
     logger = logging.getLogger("torchft.manager")
-    if not torch.distributed.is_nccl_available() and not any(
-        isinstance(f, _NoFlightRecorderWarning) for f in logger.filters
-    ):
-        logger.addFilter(_NoFlightRecorderWarning())
+    if not any(isinstance(f, _QuietTorchft) for f in logger.filters):
+        logger.addFilter(_QuietTorchft(torch.distributed.is_nccl_available()))
 
 
 def _warn_without_secret() -> None:

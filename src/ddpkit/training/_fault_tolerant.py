@@ -188,8 +188,9 @@ class FaultTolerantFit:
             run.optimizer.zero_grad(set_to_none=True)
             state.failed_steps += 1
             log.warning(
-                "replica group %s: step %d was not committed (replica groups %s); the next quorum does it again",
+                "replica group %s: step %d was not committed (replica groups %s)%s; the next quorum does it again",
                 self.settings.replica_id, state.global_step + 1, ", ".join(self._members),
+                f": {group.failure}" if group.failure else "",
             )  # fmt: skip
             return
         # Every group takes the participants' mean of the buffers, as DDP makes every rank's the same.
