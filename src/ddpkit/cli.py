@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -344,7 +344,9 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         if args.nprocs < 1:
             raise ValueError(f"--nprocs {args.nprocs}: nprocs={args.nprocs} must be an integer >= 1")
-        job = _retrieval_job(args) if args.task == "retrieval" else _classification_job(args)
+        from ddpkit.examples.demo_jobs import demo_job  # the demos' imports only for the demo
+
+        job = demo_job(args)
     except ValueError as error:
         return _fail("demo", error, status=2)
     started = time.perf_counter()
@@ -355,49 +357,3 @@ def _demo(args: argparse.Namespace) -> int:
     if detect_environment().global_rank() == 0:  # under srun or mpirun every task gets here
         print(summary.format(seconds=time.perf_counter() - started))
     return 0
-
-
-def _classification_job(args: argparse.Namespace) -> Callable[[], str]:
-    """The checked configuration, as a job that returns its summary line (with ``{seconds}`` to fill)."""
-    from ddpkit.examples.demo import DemoConfig, run_demo
-
-    lr = 0.1 if args.lr is None else args.lr
-    config = DemoConfig(
-        args.epochs, args.batch_size, lr, args.seed, progress=not args.no_progress, logdir=args.logdir,
-        lr_schedule=args.lr_schedule, precision=args.precision, clip=args.clip,
-    )  # fmt: skip
-
-    def job() -> str:
-        result = run_demo(args.nprocs, config)
-        return (
-            f"ddpkit demo: {result.world_size} processes (gloo), {len(result.train_losses)} epochs, "
-            f"{{seconds:.1f}} s in all; final train loss {result.train_losses[-1]:.4f}, "
-            f"validation accuracy {result.val_accuracy:.4f} ({result.val_correct}/{result.val_total})"
-        )
-
-    return job
-
-
-def _retrieval_job(args: argparse.Namespace) -> Callable[[], str]:
-    from ddpkit.examples.retrieval import RetrievalConfig, run_retrieval_demo
-
-    per_class = 4
-    if args.batch_size % per_class:
-        raise ValueError(
-            f"--batch-size {args.batch_size} must be a multiple of {per_class}: retrieval batches hold P "
-            f"classes x {per_class} samples (e.g. --batch-size 32 for P=8)"
-        )
-    lr = 0.1 if args.lr is None else args.lr
-    config = RetrievalConfig(
-        args.epochs, args.batch_size // per_class, per_class, lr, seed=args.seed, progress=not args.no_progress
-    )
-
-    def job() -> str:
-        result = run_retrieval_demo(args.nprocs, config)
-        return (
-            f"ddpkit demo --task retrieval: {result.world_size} processes (gloo), {len(result.train_losses)} "
-            f"epochs, {{seconds:.1f}} s in all; final triplet loss {result.train_losses[-1]:.4f}, validation "
-            f"precision@1 {result.precision_at_1:.4f} (untrained {result.initial_precision_at_1:.4f})"
-        )
-
-    return job
