@@ -65,6 +65,53 @@ def _digits_loop(**kwargs: Any) -> Any:
     return TrainLoop(build_model(), loader, progress=False, **kwargs)
 
 
+def _callback_events(fault_tolerance: Any, checkpoint_dir: Path) -> list[tuple[str, int]]:
+    """(event, epoch) of every callback call but on_batch_end, over fit(1) and then fit(2) resumed from the
+    checkpoint, of a loop on a tenth of the digits."""
+    from torch.utils.data import DataLoader, Subset
+
+    from ddpkit import Callback
+    from ddpkit.examples.digits import digits_datasets
+
+    events: list[tuple[str, int]] = []
+
+    class Events(Callback):
+        def on_train_begin(self, train_loop: Any) -> None:
+            events.append(("train_begin", train_loop.epoch))
+
+        def on_epoch_begin(self, train_loop: Any) -> None:
+            events.append(("epoch_begin", train_loop.epoch))
+
+        def on_epoch_end(self, train_loop: Any) -> None:
+            events.append(("epoch_end", train_loop.epoch))
+
+        def on_train_end(self, train_loop: Any) -> None:
+            events.append(("train_end", train_loop.epoch))
+
+    train_set, _ = digits_datasets(seed=0)
+    for epochs in (1, 2):
+        loader = DataLoader(Subset(train_set, range(128)), batch_size=16)
+        _digits_loop(loader=loader, fault_tolerance=fault_tolerance, global_batch_size=32,
+                     checkpoint_dir=str(checkpoint_dir)).fit(epochs, callbacks=[Events()])  # fmt: skip
+    return events
+
+
+def test_a_fault_tolerant_trainloop_calls_the_callbacks_when_the_ddp_loop_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once per epoch trained, on_epoch_begin before its first step (also when a checkpoint resumes it), as
+    the DDP loop; one group alone in its quorum, in this process."""
+    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+
+    monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
+    plain = _callback_events(None, tmp_path / "plain")
+    with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:
+        tolerant = _callback_events(TorchFT(lighthouse.address, "r0", timeout=10), tmp_path / "ft")
+    assert plain == [("train_begin", 0), ("epoch_begin", 0), ("epoch_end", 0), ("train_end", 1),
+                     ("train_begin", 1), ("epoch_begin", 1), ("epoch_end", 1), ("train_end", 2)]  # fmt: skip
+    assert tolerant == plain
+
+
 def test_fault_tolerance_settings_come_from_torchfts_variables_and_missing_ones_are_named() -> None:
     settings = TorchFT(min_replicas=2).resolved({"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9", "REPLICA_GROUP_ID": "g1"})
     assert (settings.lighthouse, settings.replica_id, settings.min_replicas) == ("http://127.0.0.1:9", "g1", 2)
