@@ -9,8 +9,9 @@ group trained on in it, the number of replica groups of its quorum, the process 
 ``KILL_AT`` > 0 the process SIGKILLs itself in the middle of step ``KILL_AT``, or of the first step it
 computes after that (after writing ``{"kill": t}``); with ``KILL_AT`` < 0 it hangs for 8 s there instead
 (after writing ``{"hang": t}``).
-With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it). At the end: the
-weights in ``OUT.pt``, the history in ``OUT.json``.
+With ``$FT_NUM_WORKERS`` the groups' training loader has that many DataLoader workers (the one-process
+reference run none). With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it).
+At the end: the weights in ``OUT.pt``, the history in ``OUT.json``.
 
 With ``$FT_RESTART_MARKER`` (a path), a group started again (under its agent, or with ``$FT_RESTARTED=1``)
 creates that file once it has joined (its manager heartbeats, so the lighthouse waits for it for the next
@@ -145,8 +146,10 @@ def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
     indexed = TensorDataset(images, labels, torch.arange(len(labels)))
     torch.manual_seed(0)
     model = build_model()
+    workers = int(os.environ.get("FT_NUM_WORKERS", "0")) if fault_tolerance is not None else 0
     return IndexedLoop(
-        model, DataLoader(indexed, batch_size=BATCH, shuffle=True), DataLoader(val_set, batch_size=50),
+        model, DataLoader(indexed, batch_size=BATCH, shuffle=True, num_workers=workers),
+        DataLoader(val_set, batch_size=50),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), global_batch_size=GLOBAL_BATCH,
         progress=False, fault_tolerance=fault_tolerance,
     )  # fmt: skip

@@ -135,26 +135,43 @@ def test_a_trainloop_with_fault_tolerance_needs_a_global_batch_and_its_own_proce
     assert loop.fault_tolerance == TorchFT()
 
 
-def test_a_fault_tolerant_trainloop_says_that_its_training_loader_workers_go_unused(
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_fault_tolerant_trainloop_loads_ahead_with_the_training_loaders_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torch.utils.data import DataLoader
+    """One group alone, in this process, with num_workers=2 and 0: no warning, every step's share but each
+    epoch's first comes from the workers, and the same weights to the bit."""
+    import warnings
+    from collections import Counter
 
+    from torch.utils.data import DataLoader, Subset
+
+    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
     from ddpkit.examples.digits import digits_datasets
-    from ddpkit.fault_tolerance import ReplicaGroup
+    from ddpkit.training._ahead import AheadLoader
 
-    def no_job(*args: Any, **kwargs: Any) -> ReplicaGroup:
-        raise RuntimeError("stop here: the warning comes before joining")
+    monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
+    counts: Counter[str] = Counter()
+    original = AheadLoader.share
 
-    monkeypatch.setattr(TorchFT, "join", no_job)
+    def counted(self: AheadLoader, *args: int) -> list[Any] | None:
+        loaded = original(self, *args)
+        counts["workers" if loaded is not None else "here"] += 1
+        return loaded
+
+    monkeypatch.setattr(AheadLoader, "share", counted)
     train_set, _ = digits_datasets(seed=0)
-    loop = _digits_loop(loader=DataLoader(train_set, batch_size=16, num_workers=2),
-                        fault_tolerance=TorchFT("http://127.0.0.1:9", "r0"), global_batch_size=64)  # fmt: skip
-    with (
-        pytest.warns(RuntimeWarning, match=r"num_workers=2 are not used for training"),
-        pytest.raises(RuntimeError, match="stop here"),
-    ):
-        loop.fit(1)
+    weights = {}
+    for workers in (0, 2):
+        loader = DataLoader(Subset(train_set, range(256)), batch_size=16, num_workers=workers)
+        with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse, warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no "workers not used" any more
+            torch.manual_seed(0)  # the same initial weights
+            loop = _digits_loop(loader=loader, fault_tolerance=TorchFT(lighthouse.address, "r0", timeout=10),
+                                global_batch_size=32)  # fmt: skip
+            loop.fit(2)
+        weights[workers] = loop.model.state_dict()
+    assert counts == {"here": 2, "workers": 14}, "8 steps an epoch: its first loaded here, then ahead"
+    assert all(torch.equal(weights[0][name], value) for name, value in weights[2].items())
 
 
 def test_a_fault_tolerant_trainloop_refuses_a_batch_sampler_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -467,12 +484,14 @@ def test_slurms_warning_to_one_group_stops_every_group_at_one_step_with_a_checkp
 def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_while_the_others_go_on(
     tmp_path: Path,
 ) -> None:
-    """`ddpkit run --fault-tolerance -n 3 --max-restarts 1`: group-2 SIGKILLs itself inside step 30; the
-    two others keep their processes and commit within 2 s; group-2's agent starts it again, it takes the
-    state from a peer and trains in a quorum of three; every item once per epoch, weights of one process."""
+    """`ddpkit run --fault-tolerance -n 3 --max-restarts 1`, each group's training loader with 2 DataLoader
+    workers: group-2 SIGKILLs itself inside step 30; the two others keep their processes and commit within
+    2 s; group-2's agent starts it again, it takes the state from a peer and trains in a quorum of three;
+    every item once per epoch, weights of one process (which loads in its own process)."""
     command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", "3", "--max-restarts", "1",
                "-m", "tests.ft_trainloop", "-", "-", str(tmp_path), "30", str(STEP_DELAY_S)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **_survivors_wait_for_the_restart(tmp_path)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "FT_NUM_WORKERS": "2",
+           **_survivors_wait_for_the_restart(tmp_path)}  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "restart 1 of 1: local rank 0 was killed by signal SIGKILL" in done.stderr, done.stderr[-3000:]

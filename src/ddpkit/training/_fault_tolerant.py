@@ -17,7 +17,6 @@ random state) is the state a recovering group takes from a healthy peer.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
 from ddpkit.fault_tolerance._replica import group_name
 from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
+from ddpkit.training._ahead import AheadLoader, shares
 from ddpkit.training._messages import epoch_line
 
 if TYPE_CHECKING:
@@ -60,8 +60,8 @@ def _weight_norms(model: torch.nn.Module) -> torch.Tensor:
 class FaultTolerantFit:
     """``fit`` of ``run`` (a set-up ``TrainLoop`` in a process without a process group) as one replica group.
 
-    Warns:
-        RuntimeWarning: the training loader has DataLoader workers, which it does not use.
+    With DataLoader workers, the training loader's workers load the next steps' shares ahead
+    (:class:`~ddpkit.training._ahead.AheadLoader`).
 
     Raises:
         ValueError: the training loader has no fixed batch size (a batch sampler), or no global order (a stream).
@@ -77,15 +77,12 @@ class FaultTolerantFit:
                 "loader's batch_size; this loader has a batch sampler: build it with batch_size=..."
             )
         self.batch_size = int(loader.batch_size)
-        if loader.num_workers:
-            warnings.warn(
-                f"fault_tolerance loads each step's items in the training process (they are known only once the "
-                f"step's quorum is): the training loader's num_workers={loader.num_workers} are not used for "
-                "training (evaluation still uses its loaders' workers)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
         self.dataset, self.collate = loader.dataset, loader.collate_fn
+        self._ahead = (
+            AheadLoader(loader, self.batch_size, global_batch_size, self._order,
+                        lambda epoch, low: epoch_seed(run.seed, epoch, low))
+            if loader.num_workers else None
+        )  # fmt: skip
         #: Entries of the current epoch's global order done in committed steps.
         self.position = run.state.begin_epoch()
         self._orders: dict[int, torch.Tensor] = {}
@@ -139,6 +136,8 @@ class FaultTolerantFit:
                 else:
                     self._step(group)
         finally:
+            if self._ahead is not None:
+                self._ahead.close()
             group.close()
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -253,9 +252,12 @@ class FaultTolerantFit:
         if index is None:
             return sums
         forward = run._forward_model if run._forward_model is not None else run.model
-        for number, chunk in enumerate(torch.split(step[index::participants], self.batch_size)):
+        loaded = self._ahead.share(epoch, low, participants, index) if self._ahead is not None else None
+        for number, chunk in enumerate(shares(step, participants, index, self.batch_size)):
             reseed_torch(epoch_seed(run.seed, epoch, low + index + participants * number * self.batch_size))
-            batch = run.batch_to_device(self.collate([self.dataset[int(i)] for i in chunk]))
+            batch = run.batch_to_device(
+                loaded[number] if loaded is not None else self.collate([self.dataset[int(i)] for i in chunk])
+            )
             with run.recipe.autocast(run.device):
                 loss = run.training_step(forward, batch)
             run.recipe.backward(loss * (len(chunk) * participants / len(step)))
