@@ -19,7 +19,10 @@ recovery it has to keep. Every process is a fresh one, with one thread
    most 1.05). Then a ``TrainLoop`` (global batch 64, 32 per process) as 2
    DDP ranks and as 2 replica groups (``fault_tolerance``: each step's items
    dealt over the quorum, loaded in the process, and the loss sums summed
-   over the groups besides the gradients).
+   over the groups besides the gradients). Then the same ``TrainLoop`` with
+   each item 2 ms late (I/O latency), in steps per second: DDP with 2
+   DataLoader workers, and fault tolerance with none and with 2 (targets: the
+   workers at least 1.5x, and within 10% of DDP with the same loader).
 2. **Recovery**: from a SIGKILL of one process to the survivors' next
    optimizer step. torchft: 3 replicas, one killed; the survivors keep their
    processes and commit without it; the killed one is started again and heals
@@ -57,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 WARM_UP = 20
+ITEM_WAIT_S = 0.002
 _NETNS = "DDPKIT_BENCH_NETNS"
 
 
@@ -202,10 +206,26 @@ def ddpkit_worker(replica: str, lighthouse: str, steps: int, out: str) -> None:
     group.close()
 
 
-def trainloop_worker(kind: str, who: str, address: str, steps: int, out: str) -> None:
+class _SlowItems:
+    """The digits, each item ``wait`` seconds late (I/O latency: a file read, a decode)."""
+
+    def __init__(self, dataset: Any, wait: float) -> None:
+        self.dataset, self.wait = dataset, wait
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        time.sleep(self.wait)
+        return self.dataset[index]
+
+
+def trainloop_worker(kind: str, who: str, address: str, steps: int, out: str, workers: int = 0,
+                     wait: float = 0.0) -> None:  # fmt: skip
     """One process of a ``TrainLoop`` on the digits (global batch 64, batches of 32): one of 2 DDP ranks
     (``kind`` "ddp", ``address`` the store's port) or one of 2 replica groups (``kind`` "ft", ``address`` the
-    lighthouse); the time at the end of each optimizer step, to ``out``, for ``steps`` steps or a little more."""
+    lighthouse); the time at the end of each optimizer step, to ``out``, for ``steps`` steps or a little more.
+    The training loader has ``workers`` DataLoader workers and each item waits ``wait`` seconds."""
     import math
 
     import torch
@@ -223,7 +243,8 @@ def trainloop_worker(kind: str, who: str, address: str, steps: int, out: str) ->
     torch.manual_seed(0)
     model = build_model()
     fault_tolerance = TorchFT(address, who, timeout=5.0, quorum_timeout=20.0) if kind == "ft" else None
-    loop = TrainLoop(model, DataLoader(train_set, batch_size=32, shuffle=True),
+    items = _SlowItems(train_set, wait) if wait else train_set
+    loop = TrainLoop(model, DataLoader(items, batch_size=32, shuffle=True, num_workers=workers),  # type: ignore[arg-type]
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.05), global_batch_size=64, progress=False,
                      fault_tolerance=fault_tolerance)  # fmt: skip
     with open(out, "w") as log:
@@ -271,14 +292,20 @@ def _lighthouse(replicas: int) -> Any:
 
 def per_step(work: Path, steps: int, rounds: int) -> dict[str, list[float]]:
     """Median seconds per step of each round, for plain DDP, the plain torchft loop and ddpkit's."""
-    kinds = ("ddp", "torchft", "ddpkit", "trainloop-ddp", "trainloop-ft")
+    kinds = ("ddp", "torchft", "ddpkit", "trainloop-ddp", "trainloop-ft", "io-ddp-2", "io-ft-0", "io-ft-2")
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(rounds):
         for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
             outs = [work / f"{kind}-{round_}-{rank}.jsonl" for rank in range(2)]
             logs = [work / f"{kind}-{round_}-{rank}.log" for rank in range(2)]
-            lighthouse = _lighthouse(2) if kind not in ("ddp", "trainloop-ddp") else None
-            if kind.startswith("trainloop"):
+            lighthouse = _lighthouse(2) if kind not in ("ddp", "trainloop-ddp", "io-ddp-2") else None
+            if kind.startswith("io-"):  # TrainLoop, each item 2 ms late, with 0 or 2 DataLoader workers
+                _, mode, workers = kind.split("-")
+                where = str(_free_port()) if lighthouse is None else lighthouse.address()
+                args = [["--trainloop-worker", mode, f"{rank}" if mode == "ddp" else f"r{rank}-{round_}", where,
+                         str(max(steps // 3, WARM_UP + 20)), str(outs[rank]), workers, str(ITEM_WAIT_S)]
+                        for rank in range(2)]  # fmt: skip
+            elif kind.startswith("trainloop"):
                 mode = kind.removeprefix("trainloop-")
                 where = str(_free_port()) if lighthouse is None else lighthouse.address()
                 args = [["--trainloop-worker", mode, f"{rank}" if mode == "ddp" else f"r{rank}-{round_}", where,
@@ -400,7 +427,8 @@ def main() -> None:
         torchft_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], float(sys.argv[6]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--trainloop-worker":
-        trainloop_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
+        io = (int(sys.argv[7]), float(sys.argv[8])) if len(sys.argv) > 8 else (0, 0.0)
+        trainloop_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], *io)
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--ddpkit-worker":
         ddpkit_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
@@ -442,6 +470,13 @@ def main() -> None:
     print(f"  TrainLoop(fault_tolerance)      {loop_ft * 1e3:7.2f} ms  ({(loop_ft - loop_ddp) * 1e3:+.2f} ms)")
     print(f"  ratio fault tolerance / DDP     {ratio('trainloop-ft', 'trainloop-ddp')}")
     print(f"  ratio TrainLoop(ft) / torchft   {ratio('trainloop-ft', 'torchft')}  (the plain torchft loop above)")
+    io_ddp, io_ft0, io_ft2 = (statistics.median(seconds[k]) for k in ("io-ddp-2", "io-ft-0", "io-ft-2"))
+    print(f"TrainLoop as above, each item {ITEM_WAIT_S * 1e3:.0f} ms late (I/O), steps/s:")
+    print(f"  DDP, 2 DataLoader workers       {1 / io_ddp:7.1f}")
+    print(f"  fault tolerance, no workers     {1 / io_ft0:7.1f}")
+    print(f"  fault tolerance, 2 workers      {1 / io_ft2:7.1f}")
+    print(f"  speed-up of the 2 workers       {ratio('io-ft-0', 'io-ft-2')}  (target >= 1.5)")
+    print(f"  fault tolerance / DDP, workers  {ratio('io-ddp-2', 'io-ft-2')}  (steps/s; target >= 0.9)")
     print(f"recovery from a SIGKILL (step delay {args.step_delay} s):")
     print(f"  torchft, 3 replicas: survivors' next commit {ft['next_commit']:6.2f} s after the kill "
           f"(same processes: {ft['kept_pids']}; steps not committed: {ft['failed_steps']}); the restarted "
