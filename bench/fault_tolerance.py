@@ -334,7 +334,7 @@ def _wait_for(condition: Any, what: str, timeout: float = 120) -> None:
 def torchft_recovery(work: Path, delay: float) -> dict[str, Any]:
     """3 replicas; SIGKILL one after 40 committed steps, start it again 2 s later."""
     lighthouse = _lighthouse(3)
-    steps = 160
+    steps = 300  # 13 s after the kill at step 40: time for the restarted replica to start and heal
     outs = [work / f"recovery-r{i}.jsonl" for i in range(3)]
     logs = [work / f"recovery-r{i}.log" for i in range(3)]
     processes = [
