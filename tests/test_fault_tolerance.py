@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddpkit.errors import RendezvousFailedError
+from ddpkit.errors import DDPKitError, RendezvousFailedError
 from ddpkit.fault_tolerance import TorchFT, serve_lighthouse
 from ddpkit.fault_tolerance._torchft import torchft_module, url_host
 from ddpkit.training._replica_groups import _honoured
@@ -673,6 +673,13 @@ def test_torchfts_tracebacks_go_to_debug_and_a_failed_step_keeps_its_cause_in_on
     assert [(r.levelno, r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
         (logging.DEBUG, "torchft: got exception", True)
     ]
+    try:
+        raise DDPKitError("rank 2 (replica group 'stranger' at 127.0.0.1:4) holds no job secret")
+    except DDPKitError:
+        refused = logging.LogRecord("torchft.manager", logging.ERROR, "m.py", 1, "got exception in pg configure",
+                                    None, sys.exc_info())  # fmt: skip
+    assert _QuietTorchft(nccl=True).filter(refused), "ddpkit's own refusal names who failed the proof"
+    assert (refused.exc_info, refused.getMessage()) == (None, "got exception in pg configure")
     flight = logging.LogRecord("torchft.manager", logging.WARNING, "m.py", 1, "Unable to reset NCCL flight "
                                "recorder", None, None)  # fmt: skip
     assert (_QuietTorchft(nccl=False).filter(flight), _QuietTorchft(nccl=True).filter(flight)) == (False, True)

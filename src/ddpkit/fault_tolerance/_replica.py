@@ -19,7 +19,7 @@ from ddpkit._group_proof import GUIDE
 from ddpkit._secret import SECRET_VARIABLE, job_secret
 from ddpkit._stores import release_store, route_address, serve_store
 from ddpkit.environments.base import is_loopback
-from ddpkit.errors import RendezvousFailedError
+from ddpkit.errors import DDPKitError, RendezvousFailedError
 from ddpkit.fault_tolerance._healing import TensorTransport
 from ddpkit.fault_tolerance._quorum_proof import proven_gloo
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
@@ -176,7 +176,9 @@ class ReplicaGroup:
 class _QuietTorchft(logging.Filter):
     """torchft's manager log, one line per event: a failed step's exception (torchft logs it with its
     traceback, in every group, at every failure) goes to ddpkit's log at DEBUG, since :meth:`ReplicaGroup.commit`
-    keeps its first line for the group's own "step N was not committed" warning; and, on a torch without NCCL
+    keeps its first line for the group's own "step N was not committed" warning, except ddpkit's own errors
+    (a member of the quorum that cannot prove the job secret, named), which keep their line without the
+    traceback; and, on a torch without NCCL
     (a CPU build), the "Unable to reset NCCL flight recorder" warning that every group prints at every new
     quorum is dropped: there is no flight recorder to reset."""
 
@@ -187,7 +189,9 @@ class _QuietTorchft(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.levelno >= logging.ERROR:
             log.debug("torchft: %s", record.getMessage(), exc_info=record.exc_info)
-            return False
+            if not isinstance(record.exc_info[1], DDPKitError):
+                return False
+            record.exc_info = record.exc_text = None  # who failed the proof, in one line
         return self.nccl or "Unable to reset NCCL flight recorder" not in record.getMessage()
 
 
