@@ -113,6 +113,7 @@ def test_a_fault_tolerant_trainloop_calls_the_callbacks_when_the_ddp_loop_does(
 
 
 def test_fault_tolerance_settings_come_from_torchfts_variables_and_missing_ones_are_named() -> None:
+    torchfts = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9", "REPLICA_GROUP_ID": "g1"}
     settings = TorchFT(min_replicas=2).resolved({"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9", "REPLICA_GROUP_ID": "g1"})
     assert (settings.lighthouse, settings.replica_id, settings.min_replicas) == ("http://127.0.0.1:9", "g1", 2)
     assert TorchFT("http://h:1", "mine").resolved({"REPLICA_GROUP_ID": "other"}).replica_id == "mine"
@@ -121,9 +122,62 @@ def test_fault_tolerance_settings_come_from_torchfts_variables_and_missing_ones_
     assert "lighthouse" not in str(missing.value).split("needs")[1].split(":")[0]
     with pytest.raises(ValueError, match=r"lighthouse \(or \$TORCHFT_LIGHTHOUSE\) and replica_id"):
         TorchFT().resolved({})
-    for bad in ({"min_replicas": 0}, {"min_replicas": True}, {"timeout": 0}, {"quorum_timeout": float("inf")}):
+    assert TorchFT().resolved({**torchfts, "DDPKIT_REPLICA_GROUPS": "3"}).replica_groups == 3
+    assert TorchFT(replica_groups=2).resolved({**torchfts, "DDPKIT_REPLICA_GROUPS": "3"}).replica_groups == 2
+    assert TorchFT().resolved(torchfts).replica_groups is None
+    with pytest.raises(ValueError, match=r"\$DDPKIT_REPLICA_GROUPS='three' must be a whole number"):
+        TorchFT().resolved({**torchfts, "DDPKIT_REPLICA_GROUPS": "three"})
+    for bad in ({"min_replicas": 0}, {"min_replicas": True}, {"timeout": 0}, {"quorum_timeout": float("inf")},
+                {"replica_groups": 0}):  # fmt: skip
         with pytest.raises(ValueError, match=next(iter(bad))):
             TorchFT(**bad)  # type: ignore[arg-type]
+
+
+def test_the_jobs_first_step_waits_for_all_its_replica_groups_then_starts_without_those_that_never_come(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With replica_groups=2 the first group's first quorum waits (here 2 s) for the second, so that neither
+    trains a step alone that the other would do again; after quorum_timeout it starts with those that came."""
+    import threading
+
+    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+    from ddpkit.fault_tolerance import ReplicaGroup
+
+    monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
+    models = {name: torch.nn.Linear(2, 1) for name in ("g0", "g1", "alone")}
+    seen: dict[str, tuple[float, tuple[str, ...], int]] = {}
+
+    def join(lighthouse: str, name: str, quorum_timeout: float = 30.0) -> ReplicaGroup:
+        model = models[name]
+        return ReplicaGroup(lighthouse, name, model.state_dict, model.load_state_dict, timeout=10,
+                            quorum_timeout=quorum_timeout, replica_groups=2)  # fmt: skip
+
+    def first_step(group: ReplicaGroup, name: str) -> None:
+        group.start_step()
+        seen[name] = (time.monotonic(), group.members, group.step)
+        group.commit()
+
+    with serve_lighthouse("127.0.0.1") as lighthouse:
+        first = join(lighthouse.address, "g0")
+        waiting = threading.Thread(target=first_step, args=(first, "g0"))
+        waiting.start()
+        time.sleep(2.0)
+        assert "g0" not in seen, f"the first group started alone: {seen}"
+        second = join(lighthouse.address, "g1")
+        joined = time.monotonic()
+        first_step(second, "g1")
+        waiting.join(30)
+        for group in (first, second):
+            group.close()
+    assert seen["g0"][1] == seen["g1"][1] == ("g0", "g1")
+    assert seen["g0"][0] > joined and seen["g0"][2] == seen["g1"][2] == 0
+    with serve_lighthouse("127.0.0.1") as lighthouse, caplog.at_level("WARNING", "ddpkit.fault_tolerance"):
+        alone = join(lighthouse.address, "alone", quorum_timeout=1.0)
+        started = time.monotonic()
+        first_step(alone, "alone")
+        alone.close()
+    assert seen["alone"][1] == ("alone",) and 1.0 <= seen["alone"][0] - started < 10
+    assert "the job starts with 1 of its 2 replica groups (alone): the others did not join within 1 s" in caplog.text
 
 
 def test_a_trainloop_with_fault_tolerance_needs_a_global_batch_and_its_own_process_per_group() -> None:
@@ -297,11 +351,13 @@ def test_a_stopped_replica_is_dropped_from_the_quorum_and_takes_the_weights_back
 
 def _spawn_loop(
     replica: str, lighthouse: str, out: Path, kill_at: int = 0, delay: float = STEP_DELAY_S, *extra: str,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, groups: int = 3,
 ) -> subprocess.Popen[bytes]:  # fmt: skip
+    """One group of a job of ``groups`` (its first step waits for them all) running tests/ft_trainloop.py."""
     command = [sys.executable, "-m", "tests.ft_trainloop", replica, lighthouse, str(out), str(kill_at), str(delay),
                *extra]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "DDPKIT_REPLICA_GROUPS": str(groups),
+           **(env or {})}  # fmt: skip
     return subprocess.Popen(command, stdout=open(f"{out}.log", "wb"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)  # fmt: skip
 
@@ -712,9 +768,9 @@ def test_groups_whose_weights_part_stop_saying_so_instead_of_training_on(
     naming the step, rather than end with a result that is no one process's."""
     outs = [tmp_path / f"r{i}" for i in range(2)]
     with serve_lighthouse("127.0.0.1", min_replicas=2) as lighthouse:
-        first = _spawn_loop("r0", lighthouse.address, outs[0], 0, 0.0)
+        first = _spawn_loop("r0", lighthouse.address, outs[0], 0, 0.0, groups=2)
         monkeypatch.setenv("FT_PERTURB_AT", "10")
-        second = _spawn_loop("r1", lighthouse.address, outs[1], 0, 0.0)
+        second = _spawn_loop("r1", lighthouse.address, outs[1], 0, 0.0, groups=2)
         codes = [process.wait(timeout=120) for process in (first, second)]
     for out, code in zip(outs, codes, strict=True):
         log = Path(f"{out}.log").read_text()

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
 from ddpkit.fault_tolerance._lighthouse import serve_lighthouse
-from ddpkit.fault_tolerance._settings import LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
+from ddpkit.fault_tolerance._settings import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 
 __all__ = ["run_replica_groups"]
 
@@ -30,7 +30,8 @@ def run_replica_groups(
     a ``ddpkit run -n 1`` child started again up to ``max_restarts`` times), with the job's lighthouse on
     loopback in this process (or at ``lighthouse``, one that runs already). Every group gets the job secret in
     its environment: this process's (``DDPKIT_JOB_SECRET`` or ``--secret-file``), else one drawn for this job
-    (32 random bytes). Returns each group's exit status (Ctrl-C or SIGTERM stops them all: 130 each).
+    (32 random bytes), and their number (``DDPKIT_REPLICA_GROUPS``: the job's first step waits for them all).
+    Returns each group's exit status (Ctrl-C or SIGTERM stops them all: 130 each).
 
     Raises:
         ValueError: ``groups`` below 1.
@@ -49,7 +50,7 @@ def _run_groups(
     script: str, script_args: Sequence[str], groups: int, lighthouse: str, max_restarts: int, module: bool
 ) -> list[int]:
     secret = (job_secret() or new_job_secret()).decode()  # one for the whole job
-    children = [_start_group(script, script_args, f"group-{i}", lighthouse, max_restarts, module, secret)
+    children = [_start_group(script, script_args, f"group-{i}", lighthouse, max_restarts, module, secret, groups)
                 for i in range(groups)]  # fmt: skip
     return _wait(children)
 
@@ -62,10 +63,12 @@ def _start_group(
     max_restarts: int,
     module: bool,
     secret: str,
+    groups: int,
 ) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "ddpkit", "run", "-n", "1", "--max-restarts", str(max_restarts)]
     command += ["-m"] if module else []
-    env = {**os.environ, LIGHTHOUSE_VARIABLE: lighthouse, REPLICA_ID_VARIABLE: replica_id, SECRET_VARIABLE: secret}
+    env = {**os.environ, LIGHTHOUSE_VARIABLE: lighthouse, REPLICA_ID_VARIABLE: replica_id, SECRET_VARIABLE: secret,
+           GROUPS_VARIABLE: str(groups)}  # fmt: skip
     return subprocess.Popen([*command, script, *script_args], env=env)
 
 

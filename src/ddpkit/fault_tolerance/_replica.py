@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -61,6 +62,8 @@ class ReplicaGroup:
         min_replicas: the fewest groups a step may commit with (default 1).
         timeout: seconds a collective or a recovery may take before the step fails (default 30).
         quorum_timeout: seconds to wait for a quorum (default 60).
+        replica_groups: how many groups the job starts; its first step (every group of the quorum at step 0)
+            waits, up to ``quorum_timeout``, until that many are in the quorum (default ``None``: no wait).
 
     Warns:
         RuntimeWarning: no job secret (once per process): any process that reaches the lighthouse can join.
@@ -73,7 +76,7 @@ class ReplicaGroup:
     def __init__(
         self, lighthouse: str, replica_id: str, state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None], *, min_replicas: int = 1, timeout: float = 30.0,
-        quorum_timeout: float = 60.0,
+        quorum_timeout: float = 60.0, replica_groups: int | None = None,
     ) -> None:  # fmt: skip
         torchft = torchft_module()
         managers = torchft_module("torchft.manager")
@@ -86,6 +89,9 @@ class ReplicaGroup:
         self._quorum_ids: list[str] = []
         #: Why the last step was not committed, as far as this group saw (``Type: message``), else ``None``.
         self.failure: str | None = None
+        self._replica_id, self._quorum_timeout = replica_id, quorum_timeout
+        #: The job's groups that its first step waits for; ``None`` once it has started.
+        self._starting = replica_groups if replica_groups is not None and replica_groups > 1 else None
         self._group = proven_gloo(secret, timeout, lambda: [group_name(i) for i in self._quorum_ids])
         transport = TensorTransport(
             self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
@@ -139,8 +145,28 @@ class ReplicaGroup:
         return tuple(sorted(self._quorum_ids))
 
     def start_step(self) -> None:
-        """Ask for this step's quorum (before the forward pass); every group calls it at each step."""
+        """Ask for this step's quorum (before the forward pass); every group calls it at each step. At the job's
+        first step with ``replica_groups``, ask again until that many groups are in the quorum."""
         self._manager.start_quorum()
+        if self._starting is not None:
+            self._wait_for_the_job(self._starting)
+            self._starting = None
+
+    def _wait_for_the_job(self, groups: int) -> None:
+        """While every member of the quorum is at step 0 and fewer than ``groups`` are in it, drop the quorum
+        (nothing committed) and ask again, for at most ``quorum_timeout``: a group that started first would
+        otherwise train alone steps that the others, once they joined, would do again."""
+        deadline = time.monotonic() + self._quorum_timeout
+        while len(self.members) < groups and self.step == 0:
+            if time.monotonic() > deadline:
+                log.warning(
+                    "replica group %s: the job starts with %d of its %d replica groups (%s): the others did not "
+                    "join within %g s (quorum_timeout)", self._replica_id, len(self.members), groups,
+                    ", ".join(self.members), self._quorum_timeout,
+                )  # fmt: skip
+                return
+            time.sleep(0.05)
+            self._manager.start_quorum()  # the quorum above is left without a commit: its step 0 stays 0
 
     def average_gradients(self, parameters: Iterable[nn.Parameter], also: torch.Tensor | None = None) -> bool:
         """Average the gradients of ``parameters`` over the quorum's groups: one all-reduce per device and dtype;

@@ -13,6 +13,8 @@ from ddpkit.fault_tolerance._replica import ReplicaGroup
 #: torchft's own variables: the lighthouse's address, and this replica group's id (its examples' name).
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
 REPLICA_ID_VARIABLE = "REPLICA_GROUP_ID"
+#: ddpkit's: how many replica groups the job starts (``ddpkit run --fault-tolerance`` and ``fit_distributed`` set it).
+GROUPS_VARIABLE = "DDPKIT_REPLICA_GROUPS"
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,13 @@ class TorchFT:
         timeout: seconds a step's collectives or a recovery may take before the step fails in every group
             (default 30): a group that hangs longer is dropped from the next quorum.
         quorum_timeout: seconds to wait for a quorum (default 60).
+        replica_groups: how many replica groups the job starts: its first step waits, up to ``quorum_timeout``,
+            until that many have joined, so that no group trains alone while the others are still starting
+            (work that the others would then redo). Default ``$DDPKIT_REPLICA_GROUPS`` (which
+            ``ddpkit run --fault-tolerance`` and ``fit_distributed`` set), else no wait.
 
     Raises:
-        ValueError: ``min_replicas`` below 1 or a timeout that is not a positive number.
+        ValueError: ``min_replicas`` or ``replica_groups`` below 1, or a timeout that is not a positive number.
     """
 
     lighthouse: str | None = None
@@ -43,21 +49,27 @@ class TorchFT:
     min_replicas: int = 1
     timeout: float = 30.0
     quorum_timeout: float = 60.0
+    replica_groups: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
-            raise ValueError(f"min_replicas={self.min_replicas!r} must be an integer >= 1 (replica groups)")
+        for name in ("min_replicas", "replica_groups"):
+            value = getattr(self, name)
+            if name == "replica_groups" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1 (replica groups)")
         for name in ("timeout", "quorum_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < math.inf):
                 raise ValueError(f"{name}={value!r} must be a positive number of seconds")
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> TorchFT:
-        """These settings with the lighthouse and replica id taken from ``environ`` (default ``os.environ``)
-        where not given.
+        """These settings with the lighthouse, replica id and replica groups taken from ``environ`` (default
+        ``os.environ``) where not given.
 
         Raises:
-            ValueError: either is given nowhere (the message names the argument and the variable).
+            ValueError: the lighthouse or the replica id is given nowhere (the message names the argument and the
+                variable), or ``$DDPKIT_REPLICA_GROUPS`` is not a whole number >= 1.
         """
         environ = os.environ if environ is None else environ
         lighthouse = self.lighthouse or environ.get(LIGHTHOUSE_VARIABLE) or None
@@ -76,7 +88,13 @@ class TorchFT:
                 "fault_tolerance=TorchFT(lighthouse='http://HOST:PORT', replica_id='r0'), or set the variables "
                 "(ddpkit.fault_tolerance.serve_lighthouse starts a lighthouse)"
             )
-        return replace(self, lighthouse=lighthouse, replica_id=replica_id)
+        groups = self.replica_groups
+        if groups is None and environ.get(GROUPS_VARIABLE):
+            text = environ[GROUPS_VARIABLE]
+            if not text.isdigit() or int(text) < 1:
+                raise ValueError(f"${GROUPS_VARIABLE}={text!r} must be a whole number >= 1 (the job's replica groups)")
+            groups = int(text)
+        return replace(self, lighthouse=lighthouse, replica_id=replica_id, replica_groups=groups)
 
     def join(
         self, state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None]
@@ -92,7 +110,7 @@ class TorchFT:
         assert settings.replica_id is not None
         return ReplicaGroup(
             settings.lighthouse, settings.replica_id, state_dict, load_state_dict, min_replicas=settings.min_replicas,
-            timeout=settings.timeout, quorum_timeout=settings.quorum_timeout,
+            timeout=settings.timeout, quorum_timeout=settings.quorum_timeout, replica_groups=settings.replica_groups,
         )  # fmt: skip
 
 
