@@ -170,13 +170,15 @@ def test_the_jobs_first_step_waits_for_all_its_replica_groups_then_starts_withou
         for group in (first, second):
             group.close()
     assert seen["g0"][1] == seen["g1"][1] == ("g0", "g1")
-    assert seen["g0"][0] > joined and seen["g0"][2] == seen["g1"][2] == 0
+    assert seen["g0"][0] > joined, "the first group's first step did not wait for the second"
+    assert seen["g0"][2] == seen["g1"][2] == 0
     with serve_lighthouse("127.0.0.1") as lighthouse, caplog.at_level("WARNING", "ddpkit.fault_tolerance"):
         alone = join(lighthouse.address, "alone", quorum_timeout=1.0)
         started = time.monotonic()
         first_step(alone, "alone")
         alone.close()
-    assert seen["alone"][1] == ("alone",) and 1.0 <= seen["alone"][0] - started < 10
+    assert seen["alone"][1] == ("alone",)
+    assert seen["alone"][0] - started >= 1.0, "it did not wait for the second group"
     assert "the job starts with 1 of its 2 replica groups (alone): the others did not join within 1 s" in caplog.text
 
 
