@@ -70,20 +70,31 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _digits_step_parts(seed: int) -> tuple[Any, Any, Any, Any]:
-    """The demo's classifier, SGD, and a batch drawer over the digits training split."""
+def _digits_step_parts(seed: int, loader: bool = False) -> tuple[Any, Any, Any, Any]:
+    """The demo's classifier, SGD, and a batch drawer over the digits training split: 32 items drawn at random
+    by indexing the tensors, or (``loader``) the next batch of a ``DataLoader(batch_size=32, shuffle=True)``
+    over the split, as a hand-written loop takes them (``TrainLoop`` loads through the same machinery)."""
+    import itertools
+
     import torch
+    from torch.utils.data import DataLoader
 
     from ddpkit.examples.demo import build_model
     from ddpkit.examples.digits import digits_datasets
 
-    images, labels = digits_datasets(seed=0)[0].tensors
+    train_set = digits_datasets(seed=0)[0]
+    images, labels = train_set.tensors
     torch.manual_seed(0)
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(seed)
+    batches = itertools.chain.from_iterable(
+        DataLoader(train_set, batch_size=32, shuffle=True, generator=generator) for _ in itertools.count()
+    )
 
     def batch() -> tuple[Any, Any]:
+        if loader:
+            return next(batches)  # type: ignore[no-any-return]
         index = torch.randint(0, len(labels), (32,), generator=generator)
         return images[index], labels[index]
 
@@ -108,8 +119,9 @@ def ddp_worker(rank: int, port: int, steps: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def torchft_worker(replica: str, lighthouse: str, steps: int, out: str, delay: float) -> None:
+def torchft_worker(replica: str, lighthouse: str, steps: int, out: str, delay: float, loader: bool = False) -> None:
     """One replica group (one process) of a plain torchft loop; each step's time, step, commit and quorum size.
+    With ``loader`` its batches come from a ``DataLoader`` (see :func:`_digits_step_parts`).
 
     Its servers listen on loopback only: the replica group's store is served by ddpkit, the manager's server is
     built with a loopback bind (torchft 0.2.0 hard-codes ``[::]``), and a recovering replica takes the
@@ -123,7 +135,7 @@ def torchft_worker(replica: str, lighthouse: str, steps: int, out: str, delay: f
 
     from ddpkit._stores import serve_store
 
-    model, optimizer, batch, loss_of = _digits_step_parts(int(replica.removeprefix("r").split("-")[0]))
+    model, optimizer, batch, loss_of = _digits_step_parts(int(replica.removeprefix("r").split("-")[0]), loader)
     store_port = serve_store("127.0.0.1", 0)
     assert store_port is not None
     store = TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)  # noqa: F841 (kept alive)
@@ -292,7 +304,8 @@ def _lighthouse(replicas: int) -> Any:
 
 def per_step(work: Path, steps: int, rounds: int) -> dict[str, list[float]]:
     """Median seconds per step of each round, for plain DDP, the plain torchft loop and ddpkit's."""
-    kinds = ("ddp", "torchft", "ddpkit", "trainloop-ddp", "trainloop-ft", "io-ddp-2", "io-ft-0", "io-ft-2")
+    kinds = ("ddp", "torchft", "ddpkit", "torchft-loader", "trainloop-ddp", "trainloop-ft", "io-ddp-2", "io-ft-0",
+             "io-ft-2")  # fmt: skip
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(rounds):
         for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
@@ -423,8 +436,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
         ddp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
-    if len(sys.argv) > 1 and sys.argv[1] == "--torchft-worker":
-        torchft_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], float(sys.argv[6]))
+    if len(sys.argv) > 1 and sys.argv[1] in ("--torchft-worker", "--torchft-loader-worker"):
+        loader = sys.argv[1] == "--torchft-loader-worker"
+        torchft_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], float(sys.argv[6]), loader)
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--trainloop-worker":
         io = (int(sys.argv[7]), float(sys.argv[8])) if len(sys.argv) > 8 else (0, 0.0)
@@ -470,6 +484,9 @@ def main() -> None:
     print(f"  TrainLoop(fault_tolerance)      {loop_ft * 1e3:7.2f} ms  ({(loop_ft - loop_ddp) * 1e3:+.2f} ms)")
     print(f"  ratio fault tolerance / DDP     {ratio('trainloop-ft', 'trainloop-ddp')}")
     print(f"  ratio TrainLoop(ft) / torchft   {ratio('trainloop-ft', 'torchft')}  (the plain torchft loop above)")
+    loader_step = statistics.median(seconds["torchft-loader"])
+    print(f"  plain torchft loop, DataLoader  {loader_step * 1e3:7.2f} ms  (batches of 32 from a DataLoader)")
+    print(f"  ratio TrainLoop(ft) / that loop {ratio('trainloop-ft', 'torchft-loader')}  (the issue's target: <= 1.05)")
     io_ddp, io_ft0, io_ft2 = (statistics.median(seconds[k]) for k in ("io-ddp-2", "io-ft-0", "io-ft-2"))
     print(f"TrainLoop as above, each item {ITEM_WAIT_S * 1e3:.0f} ms late (I/O), steps/s:")
     print(f"  DDP, 2 DataLoader workers       {1 / io_ddp:7.1f}")

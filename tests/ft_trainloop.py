@@ -7,8 +7,9 @@ Trains the digits classifier with ``TrainLoop(fault_tolerance=TorchFT(...), glob
 Every committed step appends a JSON line to ``OUT.jsonl``: the epoch, the step, the dataset indices this
 group trained on in it, the number of replica groups of its quorum, the process id and the time. With
 ``KILL_AT`` > 0 the process SIGKILLs itself in the middle of step ``KILL_AT``, or of the first step it
-computes after that (after writing ``{"kill": t}``); with ``KILL_AT`` < 0 it hangs for 8 s there instead
-(after writing ``{"hang": t}``).
+computes after that (after writing ``{"kill": t}``; with ``$FT_KILL_AFTER`` seconds it first waits that long
+inside the step, so that the other groups wait for it inside the gradients' all-reduce when it dies); with
+``KILL_AT`` < 0 it hangs for 8 s there instead (after writing ``{"hang": t}``).
 With ``$FT_NUM_WORKERS`` the groups' training loader has that many DataLoader workers (the one-process
 reference run none). With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it).
 At the end: the weights in ``OUT.pt``, the history in ``OUT.json``.
@@ -88,6 +89,7 @@ class IndexedLoop(TrainLoop):
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         images, labels, indices = batch
         if self.kill_at > 0 and self.global_step >= self.kill_at and self.dies():  # a group healing at it: next
+            time.sleep(float(os.environ.get("FT_KILL_AFTER", "0")))  # the others reach the all-reduce meanwhile
             self.log.write(json.dumps({"kill": time.time(), "pid": os.getpid()}) + "\n")
             self.log.flush()
             os.kill(os.getpid(), signal.SIGKILL)

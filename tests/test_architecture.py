@@ -55,6 +55,39 @@ def test_imports_only_go_down() -> None:
     assert upward == [], "an import points to a higher layer"
 
 
+def _imports_within_packages() -> dict[str, set[str]]:
+    """``{module: modules of its own package that it imports}``: every ``from ddpkit... import``, those under
+    ``TYPE_CHECKING`` and inside functions included (a package's ``__init__`` left out: it exports)."""
+    paths = dict(_modules())
+    package = {module: module.rpartition(".")[0] for module, path in paths.items() if path.name != "__init__.py"}
+    graph: dict[str, set[str]] = {module: set() for module in package}
+    for module in package:
+        for node in ast.walk(ast.parse(paths[module].read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpkit"):
+                for target in (node.module, *(f"{node.module}.{alias.name}" for alias in node.names)):
+                    if package.get(target) == package[module] and target != module:
+                        graph[module].add(target)
+    return graph
+
+
+def test_no_import_circles_inside_a_package() -> None:
+    """Within a package, the modules' imports form no circle (each module can be read after those it uses)."""
+    graph = _imports_within_packages()
+    assert graph["ddpkit.training._loop"], "imports inside training/ were read"
+    circles = []
+    for start in graph:  # a path back to start through its own package's modules
+        stack, seen = [(start, [start])], set()
+        while stack:
+            module, path = stack.pop()
+            for target in graph[module]:
+                if target == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif target not in seen:
+                    seen.add(target)
+                    stack.append((target, [*path, target]))
+    assert circles == [], "an import circle inside a package"
+
+
 def _private_writes(tree: ast.AST) -> list[str]:
     """``obj._name = ...`` (also ``+=``, ``del`` and ``setattr(obj, "_name", ...)``) where ``obj`` is not ``self``
     or ``cls``: a module writing another object's private state."""

@@ -62,7 +62,8 @@ def _digits_loop(**kwargs: Any) -> Any:
 
     train_set, _ = digits_datasets(seed=0)
     loader = kwargs.pop("loader", None) or DataLoader(train_set, batch_size=16)
-    return TrainLoop(build_model(), loader, progress=False, **kwargs)
+    kwargs.setdefault("progress", False)
+    return TrainLoop(build_model(), loader, **kwargs)
 
 
 def _callback_events(fault_tolerance: Any, checkpoint_dir: Path) -> list[tuple[str, int]]:
@@ -96,20 +97,67 @@ def _callback_events(fault_tolerance: Any, checkpoint_dir: Path) -> list[tuple[s
     return events
 
 
+def _stopped_mid_epoch(fault_tolerance: Any) -> tuple[int, list[float]]:
+    """(steps taken, train losses) of fit(3) on a tenth of the digits (4 steps an epoch) whose callback sets
+    should_stop after step 2."""
+    from torch.utils.data import DataLoader, Subset
+
+    from ddpkit import Callback
+    from ddpkit.examples.digits import digits_datasets
+
+    class StopAtTwo(Callback):
+        def on_batch_end(self, train_loop: Any) -> None:
+            train_loop.should_stop = train_loop.should_stop or train_loop.global_step == 2
+
+    train_set, _ = digits_datasets(seed=0)
+    loader = DataLoader(Subset(train_set, range(128)), batch_size=16)
+    loop = _digits_loop(loader=loader, fault_tolerance=fault_tolerance, global_batch_size=32)
+    history = loop.fit(3, callbacks=[StopAtTwo()])
+    return loop.global_step, history["train_loss"]
+
+
 def test_a_fault_tolerant_trainloop_calls_the_callbacks_when_the_ddp_loop_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once per epoch trained, on_epoch_begin before its first step (also when a checkpoint resumes it), as
-    the DDP loop; one group alone in its quorum, in this process."""
+    the DDP loop; should_stop set in the middle of an epoch ends fit after that epoch, as in the DDP loop; one
+    group alone in its quorum, in this process."""
     from ddpkit._secret import SECRET_VARIABLE, new_job_secret
 
     monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
     plain = _callback_events(None, tmp_path / "plain")
+    plain_stop = _stopped_mid_epoch(None)
     with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:
         tolerant = _callback_events(TorchFT(lighthouse.address, "r0", timeout=10), tmp_path / "ft")
+        tolerant_stop = _stopped_mid_epoch(TorchFT(lighthouse.address, "r0", timeout=10))
     assert plain == [("train_begin", 0), ("epoch_begin", 0), ("epoch_end", 0), ("train_end", 1),
                      ("train_begin", 1), ("epoch_begin", 1), ("epoch_end", 1), ("train_end", 2)]  # fmt: skip
     assert tolerant == plain
+    assert plain_stop[0] == 4, "the DDP loop ends the epoch in which it was stopped"
+    assert len(plain_stop[1]) == 1
+    assert tolerant_stop[0] == plain_stop[0]
+    assert tolerant_stop[1] == pytest.approx(plain_stop[1], rel=1e-6)
+
+
+def test_a_fault_tolerant_trainloop_shows_its_progress_and_says_its_epochs_in_the_writing_group(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """progress=True under fault tolerance: a bar of the epoch's steps and the epoch's line, named by the group."""
+    from torch.utils.data import DataLoader, Subset
+
+    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+    from ddpkit.examples.digits import digits_datasets
+
+    monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
+    train_set, _ = digits_datasets(seed=0)
+    loader = DataLoader(Subset(train_set, range(128)), batch_size=16)
+    with serve_lighthouse("127.0.0.1") as lighthouse:
+        settings = TorchFT(lighthouse.address, "r0", timeout=10)
+        _digits_loop(loader=loader, fault_tolerance=settings, global_batch_size=32, progress=True).fit(1)
+    out, err = capsys.readouterr()
+    assert "[r0] epoch  1/1  train loss" in out
+    assert "[r0] epoch 1/1" in err, err[-500:]
+    assert "/4 [" in err, "a bar of the epoch's 4 steps"
 
 
 def test_fault_tolerance_settings_come_from_torchfts_variables_and_missing_ones_are_named() -> None:
@@ -383,15 +431,17 @@ def test_a_trainloop_replica_killed_mid_epoch_costs_a_step_and_the_run_ends_as_o
     tmp_path: Path,
 ) -> None:
     """Three TrainLoop replica groups (global batch 64); one SIGKILLs itself inside step 30 (the middle of
-    epoch 2). The two others keep their processes, do that step between them and commit within 2 s; the
-    killed one, started again, takes the state from a peer and trains again in a quorum of three. Every
-    item is in exactly one committed step per epoch, and the weights equal one process's (< 1e-5)."""
+    epoch 2), 0.5 s into it: the two others are then waiting for it inside the gradients' all-reduce. They
+    keep their processes, do that step between them and commit within 2 s of the kill, as after a kill
+    between steps; the killed one, started again, takes the state from a peer and trains again in a quorum
+    of three. Every item is in exactly one committed step per epoch, and the weights equal one process's
+    (< 1e-5)."""
     outs = [tmp_path / f"r{i}" for i in range(3)]
     again = tmp_path / "r2-again"
     waits = _survivors_wait_for_the_restart(tmp_path)
     with serve_lighthouse("127.0.0.1", heartbeat_timeout=1.0) as lighthouse:
-        processes = [_spawn_loop(f"r{i}", lighthouse.address, out, 30 if i == 2 else 0, env=waits)
-                     for i, out in enumerate(outs)]  # fmt: skip
+        processes = [_spawn_loop(f"r{i}", lighthouse.address, out, 30 if i == 2 else 0,
+                                 env={**waits, "FT_KILL_AFTER": "0.5"}) for i, out in enumerate(outs)]  # fmt: skip
         wait_for(lambda: processes[2].poll() is not None, "the replica group to kill itself", processes[:2], 120)
         assert processes[2].returncode == -signal.SIGKILL, Path(f"{outs[2]}.log").read_text()[-3000:]
         killed = next(r["kill"] for r in _records(outs[2]) if "kill" in r)
@@ -695,14 +745,14 @@ def test_the_log_names_who_left_who_joined_and_who_came_back_as_a_new_process(
 ) -> None:
     from types import SimpleNamespace
 
-    from ddpkit.training._fault_tolerant import FaultTolerantFit
+    from ddpkit.training._fault_tolerant import FaultTolerantSteps
 
     fit = SimpleNamespace(settings=TorchFT(replica_id="group-0"), _processes=(), _members=())
     steps = [("group-0:a", "group-1:b", "group-2:c"), ("group-0:a", "group-1:d", "group-2:c"),
              ("group-0:a", "group-2:c"), ("group-0:a", "group-2:c", "group-3:e")]  # fmt: skip
     with caplog.at_level("WARNING", logger="ddpkit.training._fault_tolerant"):
         for step, processes in enumerate(steps):
-            FaultTolerantFit._note_members(fit, processes, step)  # type: ignore[arg-type]
+            FaultTolerantSteps._note_members(fit, processes, step)  # type: ignore[arg-type]
     assert [record.getMessage() for record in caplog.records] == [
         "replica group group-0 at step 2: group-1 came back as a new process (it had died); the quorum is now "
         "group-0, group-1, group-2",

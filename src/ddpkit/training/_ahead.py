@@ -71,6 +71,13 @@ class AheadLoader:
         #: Steps whose share came from the workers, and steps loaded in the process.
         self.ahead = self.here = 0
 
+    def start_workers(self) -> None:
+        """Start the workers now, with nothing planned yet: before this process starts other threads (torchft's
+        manager, the process group's), which a forked worker would inherit in whatever state they are."""
+        if self._loader is not None:
+            self._generator.manual_seed(self._seed(0, 0))
+            iter(self._loader)  # persistent workers: later iterators reuse them
+
     def share(self, epoch: int, low: int, participants: int, index: int) -> list[Any] | None:
         """The batches of participant ``index``'s share of the step at position ``low`` of ``epoch`` among
         ``participants``, loaded ahead; ``None`` when they were planned otherwise (load them in the process).

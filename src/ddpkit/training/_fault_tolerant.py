@@ -1,4 +1,5 @@
-"""A ``TrainLoop`` run as one replica group of a fault-tolerant job (``TrainLoop(fault_tolerance=...)``).
+"""The step driver of a ``TrainLoop`` run as one replica group of a fault-tolerant job
+(``TrainLoop(fault_tolerance=...)``); the epoch runner (``_run.py``) does the rest, as for DDP.
 
 Every optimizer step is one torchft quorum (:class:`~ddpkit.fault_tolerance.ReplicaGroup`). The step
 holds entries ``[position, position + G)`` of the epoch's global order (``G``: the global batch; the
@@ -9,33 +10,33 @@ micro-batches of the training loader's batch size, each batch's loss (a mean ove
 items, as one process with a batch of ``G`` items computes them, on any number of replica groups.
 
 A step that is not committed (a group was lost during it) changes nothing and is done again, with the same
-items, by the next quorum: every item is used once per epoch in the committed steps. Everything the run
-needs to go on (weights, optimizer, scheduler, scaler, callbacks, epoch, position, loss sums, history,
-random state) is the state a recovering group takes from a healthy peer.
+items, by the next quorum: every item is used once per epoch in the committed steps. A recovering group
+takes a healthy peer's checkpoint (``TrainState``, versioned: weights, optimizer, scheduler, scaler,
+callbacks, epoch, position, loss sums, history, random state), captured and restored by the code that
+writes and resumes checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+import math
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
 from ddpkit.fault_tolerance._replica import group_name
+from ddpkit.process_group import get_rank, get_world_size
 from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
 from ddpkit.training._ahead import AheadLoader, shares
-from ddpkit.training._messages import epoch_line
+from ddpkit.training._run import CommittedStep, TrainingRun
+from ddpkit.training._state import TrainState
 
-if TYPE_CHECKING:
-    from ddpkit.training._run import TrainingRun
-
-__all__ = ["FaultTolerantFit"]
+__all__ = ["FaultTolerantSteps"]
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ def _weight_norms(model: torch.nn.Module) -> torch.Tensor:
     return sum((norms.cpu() for norms in per_device.values()), torch.zeros(2, dtype=torch.float64))
 
 
-class FaultTolerantFit:
-    """``fit`` of ``run`` (a set-up ``TrainLoop`` in a process without a process group) as one replica group.
+class FaultTolerantSteps:
+    """The steps of ``run`` (a set-up ``TrainLoop`` in a process without a process group) as one replica group
+    (a step driver of the epoch runner: in its ``with`` block this process is a member of the job's quorums).
 
     With DataLoader workers, the training loader's workers load the next steps' shares ahead
     (:class:`~ddpkit.training._ahead.AheadLoader`).
@@ -84,61 +86,105 @@ class FaultTolerantFit:
             if loader.num_workers else None
         )  # fmt: skip
         #: Entries of the current epoch's global order done in committed steps.
-        self.position = run.state.begin_epoch()
+        self.position = 0
+        self.prefix = ""
+        self._group: ReplicaGroup | None = None
+        self._finished = False
         self._orders: dict[int, torch.Tensor] = {}
         self._members: tuple[str, ...] = ()
         self._processes: tuple[str, ...] = ()
         self._writer = False  # whether this group was participant 0 of the last committed step
         self._deal: tuple[int, int | None] | None = None  # (participants, index) of the last step's quorum
 
+    @classmethod
+    def of(cls, run: TrainingRun, settings: TorchFT) -> FaultTolerantSteps:
+        """The steps of ``run`` (a ``TrainLoop`` with ``global_batch_size``) as one replica group, once set up.
+
+        Raises:
+            ValueError: this process is one rank of a process group of several, or the loader cannot be dealt.
+        """
+        if get_world_size() > 1:
+            raise ValueError(
+                f"fault_tolerance trains one process per replica group; this process is rank {get_rank()} of a "
+                f"process group of {get_world_size()}: start each replica group as its own process (with its own "
+                "REPLICA_GROUP_ID), without torchrun's or ddpkit run's --nproc-per-node above 1"
+            )
+        run._setup()
+        assert run._epochs is not None
+        assert run.global_batch is not None
+        return cls(run, settings, run.global_batch.size, run._epochs.source.deal_every_item("fault_tolerance"))
+
     # --- the state a recovering group takes --------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a recovering peer takes from this group (read by torchft while this group waits for the quorum)."""
-        run, state = self.run, self.run.state
-        return {
-            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-            "recipe": run.recipe.state_dict(), "callbacks": run.callbacks_handler.state_dicts(),
-            "loop": {
-                "epoch": state.epoch, "position": self.position, "global_step": state.global_step,
-                "epoch_sums": state.epoch_sums.clone(), "history": {k: list(v) for k, v in state.history.items()},
-                "skipped_steps": state.skipped_steps, "failed_steps": state.failed_steps,
-                "should_stop": state.should_stop,
-            },
-            "rng": rng_state(),
-        }  # fmt: skip
+        """What a recovering peer takes from this group: the run's checkpoint (``TrainState.to_dict``) at this
+        group's position (read by torchft while this group waits for the quorum)."""
+        return self.run._capture(self.position).to_dict()
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Take a healthy peer's :meth:`state_dict` (torchft calls it at the commit of this group's first step)."""
-        run, state, loop = self.run, self.run.state, saved["loop"]
-        run.model.load_state_dict(saved["model"])
-        run.optimizer.load_state_dict(saved["optimizer"])
-        run.recipe.load_state_dict(saved["recipe"])
-        run.callbacks_handler.load_state_dicts(saved["callbacks"])
-        state.epoch, state.global_step, state.should_stop = loop["epoch"], loop["global_step"], loop["should_stop"]
-        state.skipped_steps, state.failed_steps = loop["skipped_steps"], loop["failed_steps"]
-        state.epoch_sums = loop["epoch_sums"].double().cpu()
-        state.history = defaultdict(list, loop["history"])
-        self.position = int(loop["position"])
-        set_rng_state(saved["rng"])
+        """Take a healthy peer's :meth:`state_dict` (torchft calls it at the commit of this group's first step),
+        as a checkpoint is resumed; this group's own counts of failed and re-dealt steps stay its own."""
+        self.run._restore(TrainState.from_dict(saved, f"the state replica group {self.settings.replica_id} took"))
+        self.position = self.run.state.begin_epoch()
 
     # --- the run ----------------------------------------------------------------------------------
 
-    def fit(self, num_epochs: int) -> None:
-        """Train until ``num_epochs`` epochs are done (or a callback stops it), step by step with the quorum."""
+    def __enter__(self) -> FaultTolerantSteps:
         self.settings = self.settings.resolved()  # the logs name this group (its id may come from the environment)
-        group = self.settings.join(self.state_dict, self.load_state_dict)
-        self.run.callbacks_handler.execute("on_epoch_begin")
+        self.prefix = f"[{self.settings.replica_id}] "
+        if self._ahead is not None:
+            self._ahead.start_workers()
+        self._group = self.settings.join(self.state_dict, self.load_state_dict)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    @property
+    def leader(self) -> bool:
+        """Whether this group was participant 0 of the last committed step: it prints and writes checkpoints."""
+        return self._writer
+
+    @property
+    def saves(self) -> bool:
+        return self._writer
+
+    def epoch(self, num_epochs: int) -> Iterator[CommittedStep]:
+        """The committed steps of the current epoch, step by step with the quorum. A recovering group takes
+        its peer's epoch and position in its first commit and goes on from there. With ``progress``, the
+        group that writes (participant 0 of the epoch's first committed step) shows a bar of its steps."""
+        assert self._group is not None, "FaultTolerantSteps.epoch outside its with block"
+        state, bar = self.run.state, None
+        self.position, self._finished = state.begin_epoch(), False
         try:
-            while self.run.state.epoch < num_epochs and not self.run.state.should_stop:
-                if self.position >= len(self._order(self.run.state.epoch)):
-                    self._end_epoch(num_epochs)
-                else:
-                    self._step(group)
+            while state.epoch < num_epochs and not (state.should_stop and self.position == 0):
+                order = self._order(state.epoch)
+                if self.position >= len(order):
+                    self._finished = True
+                    return
+                step = self._step(self._group)
+                if step is None:
+                    continue
+                if bar is None and self._writer and self.run.progress:
+                    bar = tqdm(total=math.ceil(len(order) / self.size), unit="step", leave=False,
+                               desc=f"{self.prefix}epoch {state.epoch + 1}/{num_epochs}")  # fmt: skip
+                if bar is not None:
+                    bar.update(math.ceil(self.position / self.size) - bar.n)
+                yield step
         finally:
-            if self._ahead is not None:
-                self._ahead.close()
-            group.close()
+            if bar is not None:
+                bar.close()
+
+    def epoch_loss(self) -> float | None:
+        """The epoch's train loss over every group (its sums came with each step), ``None`` when unfinished."""
+        summed = self.run.state.epoch_sums
+        if not self._finished:
+            return None
+        return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
 
     def _order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s global order (dataset indices), the same in every group."""
@@ -148,7 +194,9 @@ class FaultTolerantFit:
             self._orders[epoch] = torch.as_tensor(list(self.dealer), dtype=torch.int64)
         return self._orders[epoch]
 
-    def _step(self, group: ReplicaGroup) -> None:
+    def _step(self, group: ReplicaGroup) -> CommittedStep | None:
+        """One quorum's step: this group's share, averaged over the participants, committed; ``None`` when
+        it was not (the next quorum does it again) or was the job's first quorum."""
         run, state, model = self.run, self.run.state, self.run.model
         group.start_step()  # the quorum forms while this group computes the share it had in the last step
         epoch, low = state.epoch, self.position
@@ -161,7 +209,7 @@ class FaultTolerantFit:
         self._note_members(group.member_processes, state.global_step)
         if group.step == 0:  # the job's first quorum: every group but one takes that one's state (torchft's init_sync)
             self._synchronise(group)
-            return
+            return None
         if (participants, index) != guess:  # another quorum than the last step's: deal the step again
             if guess is not None and guess[1] is not None:
                 state.dealt_again += 1
@@ -191,32 +239,15 @@ class FaultTolerantFit:
                 self.settings.replica_id, state.global_step + 1, ", ".join(self._members),
                 f": {group.failure}" if group.failure else "",
             )  # fmt: skip
-            return
+            return None
         # Every group takes the participants' mean of the buffers, as DDP makes every rank's the same.
         with torch.no_grad():
             for buffer, mean in zip(buffers, torch.split(mean_buffers, [b.numel() for b in buffers]), strict=True):
                 buffer.copy_((mean if buffer.is_floating_point() else mean.round()).view_as(buffer))
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
-        done = min(self.size, len(self._order(state.epoch)) - self.position)
-        lr = run.recipe.learning_rate(run.optimizer)
-        outcome = run.recipe.optimizer_step(run.optimizer, model.parameters())
-        run.optimizer.zero_grad(set_to_none=True)
-        metrics = {"lr": lr} if run.recipe.scheduler is not None else {}
-        metrics["replica_groups"] = float(participants)
-        if outcome.grad_norm is not None:
-            metrics["grad_norm"] = outcome.grad_norm
-        self.position += done
-        state.count_step(sums, outcome.taken, **metrics)
-        run.recipe.after_step(outcome)
+        self.position += min(self.size, len(self._order(state.epoch)) - self.position)
         self._writer = index == 0
-        run.callbacks_handler.execute("on_batch_end")
-        every = run.checkpoint_every
-        if signum := run.preemption.signal_of(mean_flags):  # SLURM's warning or stop reached some group
-            if self._writer:
-                run._save_checkpoint(self.position)
-            run.preemption.stop(signum, state.global_step, str(run.checkpoint_dir), leader=self._writer)
-        elif self._writer and every and run.checkpoint_dir is not None and state.global_step % every == 0:
-            run._save_checkpoint(self.position)
+        return CommittedStep(self.position, sums, {"replica_groups": float(participants)}, mean_flags)
 
     def _check_same_weights(self, own: torch.Tensor, mean: torch.Tensor, step: int) -> None:
         """Raise when this group's weights are not the quorum's: ``own`` (this group's L1 norm and squared L2
@@ -282,25 +313,3 @@ class FaultTolerantFit:
                 self.settings.replica_id, step + 1, "; ".join(events), ", ".join(sorted(now)),
             )  # fmt: skip
         self._processes, self._members = processes, tuple(sorted(now))
-
-    def _end_epoch(self, num_epochs: int) -> None:
-        """The epoch's loss, validation and schedule, the same in every group (each evaluates the whole split)."""
-        run, state = self.run, self.run.state
-        summed = state.epoch_sums
-        loss = float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
-        state.history["train_loss"].append(loss)
-        metrics = run.evaluate(run.validation_loader) if run.validation_loader is not None else {}
-        for name, value in metrics.items():
-            state.history[f"validation_{name}"].append(value)
-        run._end_epoch_recipe()
-        if self._writer:
-            tqdm.write(line := f"[{self.settings.replica_id}] {epoch_line(state.epoch, num_epochs, loss, metrics, [])}")
-            log.info(line)
-        run.callbacks_handler.execute("on_epoch_end")
-        state.epoch += 1
-        state.epoch_sums = torch.zeros(2, dtype=torch.float64)
-        self.position = 0
-        if self._writer and run.checkpoint_dir is not None:
-            run._save_checkpoint(0)
-        if state.epoch < num_epochs and not state.should_stop:
-            run.callbacks_handler.execute("on_epoch_begin")

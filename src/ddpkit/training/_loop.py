@@ -27,14 +27,14 @@ from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT, torchft_settings
 from ddpkit.jobs.launch import StartMethod
 from ddpkit.plotting import plot_history
-from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, rank_device
+from ddpkit.process_group import ensure_dist_connection, rank_device
 from ddpkit.training._evaluation import predict_in_order
-from ddpkit.training._fault_tolerant import FaultTolerantFit
-from ddpkit.training._messages import epoch_line, resume_line
-from ddpkit.training._new_processes import fit_on_new_processes
+from ddpkit.training._fault_tolerant import FaultTolerantSteps
+from ddpkit.training._messages import resume_line
+from ddpkit.training._new_processes import fit_elsewhere
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Interval, Precision, Recipe, Scheduler, SchedulerFactory
-from ddpkit.training._run import TrainingRun
+from ddpkit.training._run import DDPSteps, StepDriver, TrainingRun
 from ddpkit.training._state import RunField, RunState
 from ddpkit.training._steps import GlobalBatch
 
@@ -124,20 +124,18 @@ class TrainLoop(TrainingRun):
             ``"torchft"`` reads the lighthouse from ``$TORCHFT_LIGHTHOUSE`` and
             the group's id from ``$REPLICA_GROUP_ID``). Each optimizer step is a
             quorum of the groups alive: a group that dies or hangs costs the
-            others that step (not committed anywhere, done again with the same
-            items), not a restart, and a group started again takes the weights,
-            optimizer, scheduler, scaler, callbacks and position live from a
-            peer. Needs ``global_batch_size``: step ``s`` holds the same items
-            of the epoch's global order whatever the number of groups (dealt
-            over that step's groups in batches of the training loader's batch
-            size, loaded in this process: DataLoader workers are not used), so
-            the weights are those of a run that lost nothing, up to rounding.
-            Each group evaluates the whole validation split itself (exact, the
-            same in every group); checkpoints are written by one group. One
-            process per replica group: run it without a process group, or
-            start the groups with :meth:`fit_distributed` or ``ddpkit run
-            --fault-tolerance`` (one machine). The job's first quorum trains
-            nothing: torchft gives every group in it the state of one of them.
+            others that step (done again with the same items), not a restart,
+            and a group started again takes the run's state live from a peer.
+            Needs ``global_batch_size``: step ``s`` holds the same items of the
+            epoch's global order whatever the number of groups (dealt over that
+            step's groups in batches of the training loader's batch size, loaded
+            ahead by its DataLoader workers), so the weights are those of a run
+            that lost nothing, up to rounding. Each group evaluates the whole
+            validation split (exact, the same in every group); one group writes
+            checkpoints. One process per replica group: run it without a process
+            group, or start the groups with :meth:`fit_distributed` or ``ddpkit
+            run --fault-tolerance`` (one machine), whose first step waits for
+            all of them.
 
     Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``,
     ``validation_loader``, ``test_loader``, ``device``, ``callbacks_handler``,
@@ -296,55 +294,15 @@ class TrainLoop(TrainingRun):
             self.global_batch.check_no_accumulation(grad_accumulation)
         ensure_dist_connection()  # under torchrun, srun, mpirun...: one job, not N copies
         self.callbacks_handler.register_callbacks(callbacks)
-        if self.fault_tolerance is not None:
-            return self._fit_as_replica_group(num_epochs)
-        model = self._setup()
-        if self._resume() and get_rank() == 0:
-            tqdm.write(line := resume_line(self, num_epochs))
+        driver: StepDriver = (
+            FaultTolerantSteps.of(self, self.fault_tolerance)
+            if self.fault_tolerance is not None
+            else DDPSteps(self, self._setup(), grad_accumulation)
+        )
+        if self._resume() and (driver.leader or self.fault_tolerance is not None):  # every group says it
+            tqdm.write(line := resume_line(self.state, self.checkpoint_dir, num_epochs))
             log.info(line)
-        self.callbacks_handler.execute("on_train_begin")
-        with self.preemption.watching(self.checkpoint_dir is not None):
-            while self.epoch < num_epochs and not self.should_stop:
-                self.callbacks_handler.execute("on_epoch_begin")
-                loss = self._train_epoch(model, grad_accumulation, num_epochs)
-                self.history["train_loss"].append(loss)
-                metrics = self.evaluate(self.validation_loader) if self.validation_loader is not None else {}
-                for name, value in metrics.items():
-                    self.history[f"validation_{name}"].append(value)
-                self._end_epoch_recipe()
-                if get_rank() == 0:
-                    tqdm.write(line := epoch_line(self.epoch, num_epochs, loss, metrics, self.step_times))
-                    log.info(line)
-                self.callbacks_handler.execute("on_epoch_end")
-                self.epoch += 1
-                if self.checkpoint_dir is not None:
-                    self._save_checkpoint(position=0)
-        self.callbacks_handler.execute("on_train_end")
-        return dict(self.history)
-
-    def _fit_as_replica_group(self, num_epochs: int) -> dict[str, list[float]]:
-        """:meth:`fit` as one replica group of a fault-tolerant job (``fault_tolerance``)."""
-        assert self.fault_tolerance is not None
-        assert self.global_batch is not None
-        if get_world_size() > 1:
-            raise ValueError(
-                f"fault_tolerance trains one process per replica group; this process is rank {get_rank()} of a "
-                f"process group of {get_world_size()}: start each replica group as its own process (with its own "
-                "REPLICA_GROUP_ID), without torchrun's or ddpkit run's --nproc-per-node above 1"
-            )
-        self._setup()
-        assert self._epochs is not None
-        dealer = self._epochs.source.deal_every_item("fault_tolerance")
-        run = FaultTolerantFit(self, self.fault_tolerance, self.global_batch.size, dealer)
-        if self._resume():
-            run.position = self.state.begin_epoch()
-            tqdm.write(line := resume_line(self, num_epochs))
-            log.info(line)
-        self.callbacks_handler.execute("on_train_begin")
-        with self.preemption.watching(self.checkpoint_dir is not None):
-            run.fit(num_epochs)
-        self.callbacks_handler.execute("on_train_end")
-        return dict(self.history)
+        return self._run_epochs(driver, num_epochs)
 
     def fit_distributed(
         self,
@@ -404,19 +362,13 @@ class TrainLoop(TrainingRun):
             HangError: the job hung (after ``max_restarts`` restarts).
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """
-        if self.fault_tolerance is not None:
-            # Imported here: each group runs that module as its main (`python -m`), which warns if it was imported.
-            from ddpkit.training._replica_groups import fit_replica_groups
-
-            return fit_replica_groups(
-                self, self.fault_tolerance, num_epochs, num_processes, callbacks, max_restarts,
-                grad_accumulation=grad_accumulation, backend=backend, timeout=timeout, nnodes=nnodes,
-                rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,
-            )  # fmt: skip
-        return fit_on_new_processes(
+        weights, self.state = fit_elsewhere(
             self, num_epochs, num_processes, grad_accumulation, callbacks, backend=backend, max_restarts=max_restarts,
             timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,
         )  # fmt: skip
+        if weights is not None:  # this node ran rank 0 (or a replica group finished)
+            self.model.load_state_dict(weights)
+        return dict(self.state.history)
 
     def plot_history(self, path: str | Path) -> Path:
         """Write a PNG of every curve of :attr:`history` (losses in one panel); its path.

@@ -5,27 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from ddpkit.errors import DDPKitError
 from ddpkit.process_group import get_rank
-
-if TYPE_CHECKING:
-    from ddpkit.training._run import TrainingRun
+from ddpkit.training._state import RunState
 
 __all__ = ["epoch_line", "skipped_model_error", "straggler_text"]
 
 
-def skipped_model_error(loop: TrainingRun, index: int) -> DDPKitError:
-    """The error of a rank whose ``training_step`` did not run the DDP model (it would skip the all-reduce the
-    other ranks wait in), naming the step and where ``training_step`` is."""
+def skipped_model_error(method: Callable[..., Any], state: RunState, index: int) -> DDPKitError:
+    """The error of a rank whose ``training_step`` (``method``, the class's function) did not run the DDP model
+    (it would skip the all-reduce the other ranks wait in), naming the step and where ``training_step`` is."""
     where = ""
     with contextlib.suppress(TypeError, OSError):
-        method = type(loop).training_step
         where = f" ({inspect.getsourcefile(method)}:{inspect.getsourcelines(method)[1]})"
     return DDPKitError(
-        f"rank {get_rank()}: training_step{where} did not call the model in step {loop.state.global_step + 1} (epoch "
-        f"{loop.state.epoch + 1}, batch {index}), so this rank would skip DDP's gradient all-reduce that the other "
+        f"rank {get_rank()}: training_step{where} did not call the model in step {state.global_step + 1} (epoch "
+        f"{state.epoch + 1}, batch {index}), so this rank would skip DDP's gradient all-reduce that the other "
         "ranks wait in: the ranks would go out of step (a hang, or gradients of different steps averaged). "
         "Call the model on every rank in every step; to drop a bad batch, multiply its loss by 0 instead"
     )
@@ -46,17 +45,18 @@ def epoch_line(epoch: int, num_epochs: int, loss: float, metrics: dict[str, floa
     return "  ".join(parts)
 
 
-def resume_line(loop: TrainingRun, num_epochs: int) -> str:
-    """What a ``TrainLoop`` that found a checkpoint does with it: resume, or nothing when it is finished."""
-    epoch = loop.state.epoch
+def resume_line(state: RunState, checkpoint_dir: Path | None, num_epochs: int) -> str:
+    """What a ``TrainLoop`` that found a checkpoint in ``checkpoint_dir`` does with it: resume, or nothing when
+    it is finished (``state``: the run state restored from it)."""
+    epoch = state.epoch
     if epoch >= num_epochs:
         return (
-            f"already trained {epoch} of {num_epochs} epochs in {loop.checkpoint_dir}; nothing to do: delete it, "
+            f"already trained {epoch} of {num_epochs} epochs in {checkpoint_dir}; nothing to do: delete it, "
             "pass a new checkpoint_dir, or ask for more epochs"
         )
-    position = loop.state.resume_position
+    position = state.resume_position
     where = f", {position} entries into it" if position else ""
     return (
-        f"resuming from {loop.checkpoint_dir}: epoch {epoch + 1}/{num_epochs}{where}, "
-        f"after {loop.state.global_step} optimizer steps"
+        f"resuming from {checkpoint_dir}: epoch {epoch + 1}/{num_epochs}{where}, "
+        f"after {state.global_step} optimizer steps"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -12,28 +12,48 @@ from ddpkit.callbacks import Callback
 from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.jobs.launch import launch, scheduler_environment, start_forkserver
 from ddpkit.process_group import get_rank
+from ddpkit.training._launched import Fits, Result
 from ddpkit.training._state import RunState
 
-if TYPE_CHECKING:
-    from ddpkit.training._loop import TrainLoop
+__all__ = ["fit_elsewhere", "fit_on_new_processes"]
 
-__all__ = ["fit_on_new_processes"]
+
+def fit_elsewhere(
+    loop: Fits, num_epochs: int, num_processes: int, grad_accumulation: int, callbacks: list[Callback] | None,
+    *, max_restarts: int, **launch_options: Any,
+) -> Result:  # fmt: skip
+    """``fit_distributed``'s run: on new processes (:func:`fit_on_new_processes`), or with fault tolerance as
+    replica groups (``_replica_groups.fit_replica_groups``); rank 0's (the first group's) weights and run state."""
+    settings = loop.fault_tolerance
+    if settings is None:
+        weights, state = fit_on_new_processes(
+            loop, num_epochs, num_processes, grad_accumulation, callbacks, max_restarts=max_restarts, **launch_options
+        )
+    else:
+        # Imported here: each group runs that module as its main (`python -m`), which warns if it was imported.
+        from ddpkit.training._replica_groups import fit_replica_groups
+
+        weights, state = fit_replica_groups(
+            loop, settings, num_epochs, num_processes, callbacks, max_restarts, grad_accumulation=grad_accumulation,
+            **launch_options,
+        )  # fmt: skip
+    state.history = defaultdict(list, state.history)
+    return weights, state
 
 
 def fit_on_new_processes(
-    loop: TrainLoop,
+    loop: Fits,
     num_epochs: int,
     num_processes: int,
     grad_accumulation: int,
     callbacks: list[Callback] | None,
     **launch_options: Any,
-) -> dict[str, list[float]]:
-    """Run ``loop.fit`` (a ``TrainLoop``'s) on ``num_processes`` new processes through :func:`~ddpkit.launch`.
+) -> Result:
+    """Run ``loop.fit`` (a ``TrainLoop``'s) on ``num_processes`` new processes through :func:`~ddpkit.launch`;
+    rank 0's weights and run state (history, steps, last step's metrics).
 
-    Every worker starts from this process's random state; afterwards ``loop``
-    holds rank 0's weights and run state (history, steps, last step's metrics). Under a scheduler that started the
-    job's processes, this process trains as one of its ranks instead.
-    ``launch_options`` are :func:`~ddpkit.launch`'s.
+    Every worker starts from this process's random state. Under a scheduler that started the job's processes,
+    this process trains as one of its ranks instead. ``launch_options`` are :func:`~ddpkit.launch`'s.
     """
     in_this_process = scheduler_environment() is not None  # srun, mpirun, torchrun: no spawning
     if not in_this_process and launch_options.get("start_method") == "forkserver":
@@ -44,15 +64,11 @@ def fit_on_new_processes(
     )  # fmt: skip
     state: RunState
     state, weights = results[min(results)]
-    if weights is not None:  # this node ran rank 0
-        loop.model.load_state_dict(weights)
-    state.history = defaultdict(list, state.history)
-    loop.state = state
-    return dict(state.history)
+    return weights, state
 
 
 def _fit_worker(
-    loop: TrainLoop,
+    loop: Fits,
     num_epochs: int,
     grad_accumulation: int,
     callbacks: list[Callback] | None,

@@ -16,16 +16,16 @@ not run).
 
 from __future__ import annotations
 
+import copy
 import multiprocessing.spawn
 import os
 import pickle
 import shutil
 import sys
 import tempfile
-from collections import defaultdict
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -36,10 +36,8 @@ from ddpkit.fault_tolerance import TorchFT
 from ddpkit.fault_tolerance._job import run_replica_groups
 from ddpkit.fault_tolerance._settings import REPLICA_ID_VARIABLE
 from ddpkit.jobs.launch import scheduler_environment
+from ddpkit.training._launched import Fits, Result
 from ddpkit.training._state import RunState
-
-if TYPE_CHECKING:
-    from ddpkit.training._loop import TrainLoop
 
 __all__ = ["fit_replica_groups"]
 
@@ -47,28 +45,26 @@ _LOOP_FILE = "loop.pickle"
 
 
 def fit_replica_groups(
-    loop: TrainLoop, settings: TorchFT, num_epochs: int, num_processes: int, callbacks: list[Callback] | None,
+    loop: Fits, settings: TorchFT, num_epochs: int, num_processes: int, callbacks: list[Callback] | None,
     max_restarts: int, **launch_arguments: Any,
-) -> dict[str, list[float]]:  # fmt: skip
+) -> Result:  # fmt: skip
     """Train ``loop`` as ``num_processes`` replica groups of one process on this machine, each started again
-    up to ``max_restarts`` times when it dies; afterwards ``loop`` holds the weights and run state of the
-    first group that finished. ``launch_arguments``: the rest of ``fit_distributed``'s, honoured or refused.
+    up to ``max_restarts`` times when it dies; the weights and run state of the first group that finished.
+    ``launch_arguments``: the rest of ``fit_distributed``'s, honoured or refused.
 
     Raises:
         ValueError: an argument that cannot be honoured (:func:`_honoured`).
         WorkerFailedError: a group failed (after its restarts); no group finished.
     """
-    given, settings = settings, _honoured(settings, **launch_arguments)
+    settings = _honoured(settings, **launch_arguments)
     directory = Path(tempfile.mkdtemp(prefix="ddpkit-replica-groups-"))
     try:
+        groups_loop = copy.copy(loop)  # as pickled: without its set-up (TrainLoop.__getstate__)
         # Each group takes the lighthouse and its own id from the variables its agent sets.
-        loop.fault_tolerance = replace(settings, lighthouse=None, replica_id=None)
-        try:
-            with open(directory / _LOOP_FILE, "wb") as handle:
-                pickle.dump(_preparation(), handle)
-                pickle.dump((loop, num_epochs, callbacks, rng_state()), handle)
-        finally:
-            loop.fault_tolerance = given
+        groups_loop.fault_tolerance = replace(settings, lighthouse=None, replica_id=None)
+        with open(directory / _LOOP_FILE, "wb") as handle:
+            pickle.dump(_preparation(), handle)
+            pickle.dump((groups_loop, num_epochs, callbacks, rng_state()), handle)
         statuses = run_replica_groups(
             "ddpkit.training._replica_groups", [str(directory)], groups=num_processes, max_restarts=max_restarts,
             module=True, lighthouse=settings.lighthouse, min_replicas=settings.min_replicas,
@@ -85,11 +81,7 @@ def fit_replica_groups(
         result = torch.load(finished[0], weights_only=True)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    loop.model.load_state_dict(result["weights"])
-    state = RunState(**result["state"])
-    state.history = defaultdict(list, state.history)
-    loop.state = state
-    return dict(state.history)
+    return result["weights"], RunState(**result["state"])
 
 
 def _honoured(

@@ -230,9 +230,35 @@ class TrainState:
             )
         set_rng_state(self.rng[get_rank() % len(self.rng)])
 
+    def to_dict(self) -> dict[str, Any]:
+        """Its fields and ``version``: tensors and plain values (what a checkpoint file holds, and what a
+        fault-tolerant replica group sends a recovering peer)."""
+        return {"version": self.VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str) -> TrainState:
+        """The state :meth:`to_dict` gave (of this version or an older one), read from ``source``.
+
+        Raises:
+            ValueError: it is of another version, or not a ``TrainLoop`` state (the message names ``source``).
+        """
+        state = dict(data)
+        version = state.pop("version", None)
+        if version == 1:
+            state["position"] = 0  # restore() takes it from "batch"
+        elif not (isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= cls.VERSION):
+            raise ValueError(
+                f"{source} is a checkpoint of version {version!r}; this ddpkit reads TrainLoop checkpoints of versions "
+                f"1 to {cls.VERSION}. Start from another checkpoint_dir, or resume with the ddpkit that wrote it"
+            )
+        try:
+            return cls(**state)
+        except TypeError as exc:
+            raise ValueError(f"{source} is not a TrainLoop checkpoint: {exc}") from None
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write it atomically (:func:`~ddpkit.save_checkpoint`); from one process."""
-        save_checkpoint({"version": self.VERSION, **asdict(self)}, path)
+        save_checkpoint(self.to_dict(), path)
 
     def write(self, path: str | os.PathLike[str]) -> None:
         """:meth:`save` on rank 0, with every rank told whether it could (every rank calls it).
@@ -258,16 +284,4 @@ class TrainState:
             FileNotFoundError: there is no checkpoint at ``path``.
             ValueError: it is of another version, or not a ``TrainLoop`` checkpoint.
         """
-        state = load_checkpoint(path, map_location)
-        version = state.pop("version", None)
-        if version == 1:
-            state["position"] = 0  # restore() takes it from "batch"
-        elif not (isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= cls.VERSION):
-            raise ValueError(
-                f"{path} is a checkpoint of version {version!r}; this ddpkit reads TrainLoop checkpoints of versions "
-                f"1 to {cls.VERSION}. Start from another checkpoint_dir, or resume with the ddpkit that wrote it"
-            )
-        try:
-            return cls(**state)
-        except TypeError as exc:
-            raise ValueError(f"{path} is not a TrainLoop checkpoint: {exc}") from None
+        return cls.from_dict(load_checkpoint(path, map_location), str(path))
