@@ -8,7 +8,8 @@
 # 2. ddpkit installed from this checkout into that interpreter, without touching its torch.
 # 3. The CUDA tests (tests/gpu, with a hang report under NCCL on two GPUs, and the CUDA tests elsewhere in the
 #    suite), `ddpkit demo` and `ddpkit doctor` on the GPU, and the bench rows on CUDA with their targets
-#    (uneven gather and scalar mean against raw NCCL, the DDP step, the hang watchdog's cost on a CUDA step).
+#    (uneven gather and scalar mean against raw NCCL, the DDP step, the hang watchdog's cost on a CUDA step), and a
+#    fault-tolerant TrainLoop of two torchft replica groups on the GPU against one process's weights.
 # Every step runs even when one before it failed; the exit status is 1 if any failed. Nothing here is CI:
 # CI has no GPU and skips the CUDA tests.
 set -uo pipefail
@@ -38,6 +39,15 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
         PY=.venv-gpu/bin/python || { say "could not install torch with CUDA"; exit 1; }
 fi
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+# torchft (the ft extra) for the fault-tolerance test: from the index, or, on a machine with no network, from wheels
+# put in .whl/ beforehand (torchft 0.2.0 and its opentelemetry packages; the test skips without it).
+if ! "$PY" -c "import torchft" 2>/dev/null; then
+    if ls .whl/torchft-*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --target .gpu-site .whl/*.whl && export PYTHONPATH=$PWD/.gpu-site
+    else
+        "$PY" -m pip install -q torchft==0.2.0 || say "missing: torchft (the fault-tolerance test skips)"
+    fi
+fi
 for module in numpy tqdm pytest pytest_timeout hypothesis; do
     "$PY" -c "import $module" 2>/dev/null || "$PY" -m pip install -q "${module//_/-}" || say "missing: $module"
 done

@@ -8,6 +8,7 @@ failure on the GPU machine is then about CUDA or NCCL, not about the test.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,6 +91,56 @@ def train_loop(epochs: int) -> dict[str, Any]:
     return {"device": str(next(loop.model.parameters()).device), "history": history}
 
 
+class DeviceNote(ddpkit.Callback):
+    """Writes, at each epoch's end, the device of the model's weights to ``FOLDER/<REPLICA_GROUP_ID>.device``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_epoch_end(self, train_loop: Any) -> None:
+        device = str(next(train_loop.model.parameters()).device)
+        with open(os.path.join(self.folder, f"{os.environ.get('REPLICA_GROUP_ID', 'none')}.device"), "w") as file:
+            file.write(device)
+
+
+def digits_loop(fault_tolerance: Any) -> Any:
+    """The digits classifier with a global batch of 64 (16 an item's batch), the same weights and order every time:
+    in each replica group of a fault-tolerant run, and in the one-process run it is compared with."""
+    from torch.utils.data import DataLoader
+
+    from ddpkit.examples.demo import build_model
+    from ddpkit.examples.digits import digits_datasets
+
+    train, validation = digits_datasets(seed=0)[:2]
+    torch.manual_seed(0)
+    model = build_model()
+    return ddpkit.TrainLoop(
+        model, DataLoader(train, batch_size=16, shuffle=True), DataLoader(validation, batch_size=50),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), global_batch_size=64,
+        progress=False, fault_tolerance=fault_tolerance,
+    )  # fmt: skip
+
+
+def fault_tolerant_fit(folder: str, epochs: int) -> dict[str, Any]:
+    """``fit_distributed(epochs, num_processes=2)`` with torchft (two replica groups, each on ``cuda:0`` when there
+    is a GPU), then the same loop's ``fit`` in this process: the devices each group trained on, both histories
+    and the largest difference between the two runs' weights."""
+    from ddpkit.fault_tolerance import TorchFT
+
+    tolerant = digits_loop(TorchFT(timeout=30.0, quorum_timeout=60.0))
+    history = tolerant.fit_distributed(epochs, num_processes=2, callbacks=[DeviceNote(folder)])
+    reference = digits_loop(None)
+    expected = reference.fit(epochs)
+    found, wanted = tolerant.model.state_dict(), reference.model.state_dict()
+    return {
+        "devices": {name: (Path(folder) / name).read_text() for name in sorted(os.listdir(folder))},
+        "reference_device": str(next(reference.model.parameters()).device),
+        "history": history,
+        "reference_history": expected,
+        "gap": max(float((found[k].cpu().double() - wanted[k].cpu().double()).abs().max()) for k in wanted),
+    }
+
+
 def flight_recorder() -> dict[str, Any]:
     """What ddpkit set for torch's flight recorder and whether NCCL's asynchronous error handling is on."""
     names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
@@ -133,6 +184,17 @@ def _main() -> None:
     history = ddpkit.launch(train_loop, 1, nprocs=2, backend="gloo")[0]["history"]
     print("train_loop:", history)
     assert history["validation_accuracy"][-1] > 0.5, history
+    try:
+        import torchft  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError:
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        found = fault_tolerant_fit(folder, 1)
+    print("fault_tolerant_fit:", {k: v for k, v in found.items() if "history" not in k})
+    assert found["devices"] == {"group-0.device": "cpu", "group-1.device": "cpu"}, found
+    assert found["gap"] < 1e-5, found
 
 
 if __name__ == "__main__":  # python -m tests.gpu.cuda_jobs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,6 +70,19 @@ def test_train_loop_trains_on_cuda_local_rank() -> None:
     found = launch(cuda_jobs.train_loop, 3, nprocs=1, backend="nccl")[0]
     assert found["device"] == "cuda:0"
     assert found["history"]["validation_accuracy"][-1] > 0.85, found["history"]
+
+
+def test_a_fault_tolerant_train_loop_of_two_replica_groups_trains_on_the_gpu_as_one_process_does(
+    tmp_path: Path,
+) -> None:
+    """Two torchft replica groups sharing the GPU (gloo between them, with CUDA gradients): each trains on
+    ``cuda:0``, and the weights handed back are those of one process trained on the same global batches."""
+    pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+    found = cuda_jobs.fault_tolerant_fit(str(tmp_path), 2)
+    assert found["devices"] == {"group-0.device": "cuda:0", "group-1.device": "cuda:0"}, found
+    assert found["reference_device"] == "cuda:0"
+    assert found["history"]["validation_accuracy"][-1] > 0.85, found["history"]
+    assert found["gap"] < 1e-4, found
 
 
 def test_the_flight_recorder_is_on_with_ddpkits_buffer_size_under_nccl() -> None:
