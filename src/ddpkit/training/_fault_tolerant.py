@@ -72,7 +72,8 @@ class FaultTolerantSteps:
     def __init__(self, run: TrainingRun, settings: TorchFT, global_batch_size: int, dealer: DistributedSamplerWrapper
                  ) -> None:  # fmt: skip
         self.run, self.settings, self.size, self.dealer = run, settings, global_batch_size, dealer
-        loader = run.train_loader
+        self.loop = loop = run.loop
+        loader = loop.train_loader
         if loader.batch_size is None:
             raise ValueError(
                 "fault_tolerance deals each step's items over the replica groups in batches of the training "
@@ -82,7 +83,7 @@ class FaultTolerantSteps:
         self.dataset, self.collate = loader.dataset, loader.collate_fn
         self._ahead = (
             AheadLoader(loader, self.batch_size, global_batch_size, self._order,
-                        lambda epoch, low: epoch_seed(run.seed, epoch, low))
+                        lambda epoch, low: epoch_seed(loop.seed, epoch, low))
             if loader.num_workers else None
         )  # fmt: skip
         #: Entries of the current epoch's global order done in committed steps.
@@ -109,23 +110,22 @@ class FaultTolerantSteps:
                 f"process group of {get_world_size()}: start each replica group as its own process (with its own "
                 "REPLICA_GROUP_ID), without torchrun's or ddpkit run's --nproc-per-node above 1"
             )
-        run._setup()
-        assert run._epochs is not None
-        assert run.global_batch is not None
-        return cls(run, settings, run.global_batch.size, run._epochs.source.deal_every_item("fault_tolerance"))
+        run.setup()
+        assert run.loop.global_batch is not None
+        return cls(run, settings, run.loop.global_batch.size, run.epochs.source.deal_every_item("fault_tolerance"))
 
     # --- the state a recovering group takes --------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What a recovering peer takes from this group: the run's checkpoint (``TrainState.to_dict``) at this
         group's position (read by torchft while this group waits for the quorum)."""
-        return self.run._capture(self.position).to_dict()
+        return self.run.capture(self.position).to_dict()
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Take a healthy peer's :meth:`state_dict` (torchft calls it at the commit of this group's first step),
         as a checkpoint is resumed; this group's own counts of failed and re-dealt steps stay its own."""
-        self.run._restore(TrainState.from_dict(saved, f"the state replica group {self.settings.replica_id} took"))
-        self.position = self.run.state.begin_epoch()
+        self.run.restore(TrainState.from_dict(saved, f"the state replica group {self.settings.replica_id} took"))
+        self.position = self.loop.state.begin_epoch()
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -158,7 +158,7 @@ class FaultTolerantSteps:
         its peer's epoch and position in its first commit and goes on from there. With ``progress``, the
         group that writes (participant 0 of the epoch's first committed step) shows a bar of its steps."""
         assert self._group is not None, "FaultTolerantSteps.epoch outside its with block"
-        state, bar = self.run.state, None
+        state, bar = self.loop.state, None
         self.position, self._finished = state.begin_epoch(), False
         try:
             while state.epoch < num_epochs and not (state.should_stop and self.position == 0):
@@ -169,7 +169,7 @@ class FaultTolerantSteps:
                 step = self._step(self._group)
                 if step is None:
                     continue
-                if bar is None and self._writer and self.run.progress:
+                if bar is None and self._writer and self.loop.progress:
                     bar = tqdm(total=math.ceil(len(order) / self.size), unit="step", leave=False,
                                desc=f"{self.prefix}epoch {state.epoch + 1}/{num_epochs}")  # fmt: skip
                 if bar is not None:
@@ -181,7 +181,7 @@ class FaultTolerantSteps:
 
     def epoch_loss(self) -> float | None:
         """The epoch's train loss over every group (its sums came with each step), ``None`` when unfinished."""
-        summed = self.run.state.epoch_sums
+        summed = self.loop.state.epoch_sums
         if not self._finished:
             return None
         return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
@@ -197,11 +197,11 @@ class FaultTolerantSteps:
     def _step(self, group: ReplicaGroup) -> CommittedStep | None:
         """One quorum's step: this group's share, averaged over the participants, committed; ``None`` when
         it was not (the next quorum does it again) or was the job's first quorum."""
-        run, state, model = self.run, self.run.state, self.run.model
+        loop, state, model = self.loop, self.loop.state, self.loop.model
         group.start_step()  # the quorum forms while this group computes the share it had in the last step
         epoch, low = state.epoch, self.position
         step = self._order(epoch)[low : low + self.size]
-        run.optimizer.zero_grad(set_to_none=True)
+        loop.optimizer.zero_grad(set_to_none=True)
         model.train()
         guess = self._deal
         sums = self._share(step, epoch, low, *guess) if guess is not None else torch.zeros(2, dtype=torch.float64)
@@ -213,7 +213,7 @@ class FaultTolerantSteps:
         if (participants, index) != guess:  # another quorum than the last step's: deal the step again
             if guess is not None and guess[1] is not None:
                 state.dealt_again += 1
-            run.optimizer.zero_grad(set_to_none=True)
+            loop.optimizer.zero_grad(set_to_none=True)
             sums = self._share(step, epoch, low, participants, index)
         self._deal = (participants, index)
         own = _weight_norms(model) if index is not None else torch.zeros(2, dtype=torch.float64)
@@ -223,7 +223,7 @@ class FaultTolerantSteps:
         )
         # The loss sums, the weights' norms, SLURM's signals and the buffers (BatchNorm's statistics) ride with
         # the gradients.
-        flags = run.preemption.received_flags()
+        flags = loop.preemption.received_flags()
         riding = torch.cat([sums, own, flags, mine if index is not None else torch.zeros_like(mine)])
         # Views of riding: their means over the participants once it has been averaged.
         mean_sums, mean_norms, mean_flags, mean_buffers = torch.split(riding, [2, 2, 2, mine.numel()])
@@ -232,7 +232,7 @@ class FaultTolerantSteps:
             if index is not None:
                 self._check_same_weights(own, mean_norms, state.global_step + 1)
         if not group.commit():
-            run.optimizer.zero_grad(set_to_none=True)
+            loop.optimizer.zero_grad(set_to_none=True)
             state.failed_steps += 1
             log.warning(
                 "replica group %s: step %d was not committed (replica groups %s)%s; the next quorum does it again",
@@ -271,27 +271,27 @@ class FaultTolerantSteps:
         """The job's first quorum: no items and no optimizer step. torchft gives every group of it but one (the
         recovery source) that one's state, but still counts them in the step's average: a step trained then
         would lose their shares."""
-        self.run.optimizer.zero_grad(set_to_none=True)
+        self.loop.optimizer.zero_grad(set_to_none=True)
         self._deal = None
         if not group.commit():
-            self.run.state.failed_steps += 1
+            self.loop.state.failed_steps += 1
 
     def _share(self, step: torch.Tensor, epoch: int, low: int, participants: int, index: int | None) -> torch.Tensor:
         """Forward and backward of participant ``index``'s share of ``step`` (dataset indices from position
         ``low`` of ``epoch``) among ``participants``: its loss sums (``(2,)`` float64); nothing for ``None``."""
-        run, sums = self.run, torch.zeros(2, dtype=torch.float64)
+        run, loop, sums = self.run, self.loop, torch.zeros(2, dtype=torch.float64)
         if index is None:
             return sums
-        forward = run._forward_model if run._forward_model is not None else run.model
+        forward = run.forward_model
         loaded = self._ahead.share(epoch, low, participants, index) if self._ahead is not None else None
         for number, chunk in enumerate(shares(step, participants, index, self.batch_size)):
-            reseed_torch(epoch_seed(run.seed, epoch, low + index + participants * number * self.batch_size))
-            batch = run.batch_to_device(
+            reseed_torch(epoch_seed(loop.seed, epoch, low + index + participants * number * self.batch_size))
+            batch = loop.batch_to_device(
                 loaded[number] if loaded is not None else self.collate([self.dataset[int(i)] for i in chunk])
             )
-            with run.recipe.autocast(run.device):
-                loss = run.training_step(forward, batch)
-            run.recipe.backward(loss * (len(chunk) * participants / len(step)))
+            with loop.recipe.autocast(loop.device):
+                loss = loop.training_step(forward, batch)
+            loop.recipe.backward(loss * (len(chunk) * participants / len(step)))
             sums += torch.tensor([float(loss.detach()) * len(chunk), len(chunk)], dtype=torch.float64)
         return sums
 

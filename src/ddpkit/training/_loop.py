@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ddpkit.batches import move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler
-from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
+from ddpkit.ddp_handler import DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT, torchft_settings
 from ddpkit.jobs.launch import StartMethod
@@ -43,7 +43,7 @@ __all__ = ["TrainLoop"]
 log = logging.getLogger(__name__)
 
 
-class TrainLoop(TrainingRun):
+class TrainLoop:
     """Train, validate and test a model, in one process or as DDP (the ``TrainLoop`` of aitoolbox's ``DDPHandler``).
 
     Args:
@@ -119,27 +119,22 @@ class TrainLoop(TrainingRun):
             plain model. A backend torch lacks, or inductor on CPU without a C++
             compiler, raises ``RuntimeError`` naming it.
         fault_tolerance: ``None`` (default), ``"torchft"`` or a
-            :class:`~ddpkit.fault_tolerance.TorchFT`: this process trains as one
-            replica group of a job on torchft (``pip install 'ddpkit[ft]'``;
-            ``"torchft"`` reads the lighthouse from ``$TORCHFT_LIGHTHOUSE`` and
-            the group's id from ``$REPLICA_GROUP_ID``). Each optimizer step is a
-            quorum of the groups alive: a group that dies or hangs costs the
-            others that step (done again with the same items), not a restart,
+            :class:`~ddpkit.fault_tolerance.TorchFT`: this process is one replica
+            group of a job on torchft (``pip install 'ddpkit[ft]'``; ``"torchft"``
+            reads ``$TORCHFT_LIGHTHOUSE`` and ``$REPLICA_GROUP_ID``). Each optimizer
+            step is a quorum of the groups alive: a group that dies or hangs costs
+            the others that step (done again with the same items), not a restart,
             and a group started again takes the run's state live from a peer.
             Needs ``global_batch_size``: step ``s`` holds the same items of the
-            epoch's global order whatever the number of groups (dealt over that
-            step's groups in batches of the training loader's batch size, loaded
-            ahead by its DataLoader workers), so the weights are those of a run
-            that lost nothing, up to rounding. Each group evaluates the whole
-            validation split (exact, the same in every group); one group writes
-            checkpoints. One process per replica group: run it without a process
-            group, or start the groups with :meth:`fit_distributed` or ``ddpkit
-            run --fault-tolerance`` (one machine), whose first step waits for
-            all of them.
+            epoch's order whatever the number of groups (dealt over the step's
+            groups, loaded ahead by the loader's workers), so the weights are
+            those of a run that lost nothing, up to rounding. Each group evaluates
+            the whole split (exact, the same in every group); one writes
+            checkpoints. One process per group: start the groups with
+            :meth:`fit_distributed` or ``ddpkit run --fault-tolerance``.
 
-    Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``,
-    ``validation_loader``, ``test_loader``, ``device``, ``callbacks_handler``,
-    ``ddp_handler`` (a :class:`~ddpkit.DDPHandler` once :meth:`fit` has set up).
+    Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``, ``validation_loader``, ``test_loader``,
+    ``device``, ``callbacks_handler``, ``ddp_handler`` (a :class:`~ddpkit.DDPHandler` once :meth:`fit` has set up).
 
     Override :meth:`training_step`, :meth:`predict_step`, :meth:`compute_metrics`
     or :meth:`batch_to_device` for batches that are not ``(inputs, targets)``.
@@ -188,7 +183,6 @@ class TrainLoop(TrainingRun):
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
-        super().__init__()
         #: The torchft settings this process trains as one replica group with (``None``: plain DDP).
         self.fault_tolerance = torchft_settings(fault_tolerance)
         if self.fault_tolerance is not None and global_batch_size is None:
@@ -223,9 +217,16 @@ class TrainLoop(TrainingRun):
         #: The DDP-wrapped model once :meth:`fit` has set up (the model itself in one process).
         self.ddp_model: nn.Module | None = None
         #: Each rank's mean time per batch in the last epoch (ms) for loading and forward, before the step's
-        #: all-reduce (where a fast rank waits for a slow one). Empty in one process.
+        #: all-reduce (a fast rank waits there for a slow one). Empty in one process.
         self.step_times: list[float] = []
-        self._original_loaders = {name: getattr(self, name) for name, _ in LOADER_ATTRIBUTES}
+        self._run = TrainingRun(self)  # how it trains: set-up, epochs, steps, checkpoints
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._run.pickled()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._run = TrainingRun(self)
 
     # --- the steps to override --------------------------------------------------------------------
 
@@ -295,14 +296,14 @@ class TrainLoop(TrainingRun):
         ensure_dist_connection()  # under torchrun, srun, mpirun...: one job, not N copies
         self.callbacks_handler.register_callbacks(callbacks)
         driver: StepDriver = (
-            FaultTolerantSteps.of(self, self.fault_tolerance)
+            FaultTolerantSteps.of(self._run, self.fault_tolerance)
             if self.fault_tolerance is not None
-            else DDPSteps(self, self._setup(), grad_accumulation)
+            else DDPSteps(self._run, self._run.setup(), grad_accumulation)
         )
-        if self._resume() and (driver.leader or self.fault_tolerance is not None):  # every group says it
+        if self._run.resume() and (driver.leader or self.fault_tolerance is not None):  # every group says it
             tqdm.write(line := resume_line(self.state, self.checkpoint_dir, num_epochs))
             log.info(line)
-        return self._run_epochs(driver, num_epochs)
+        return self._run.run_epochs(driver, num_epochs)
 
     def fit_distributed(
         self,
@@ -395,5 +396,5 @@ class TrainLoop(TrainingRun):
             raise ValueError("evaluate() needs a loader: pass one or give the TrainLoop a validation_loader")
         ensure_dist_connection()
         self.model.to(self.device)
-        predictions, targets = predict_in_order(self.model, loader, self._predict, self.batch_to_device)
+        predictions, targets = predict_in_order(self.model, loader, self._run.predict, self.batch_to_device)
         return self.compute_metrics(predictions, targets)
