@@ -728,6 +728,11 @@ def test_fit_distributed_with_fault_tolerance_trains_a_users_own_classes_and_eve
     assert "STEPS 46" in done.stdout, done.stdout
     said = done.stdout + done.stderr
     assert re.search(r"\[group-[01]\] epoch +2/2", said), said[-3000:]
+    # Each group's time per batch rode with the gradients: the writing group names the slowest of both.
+    times = re.findall(r"\[group-[01]\] epoch +[12]/2 .* load\+forward ([\d.]+)-([\d.]+) ms/batch \(slowest "
+                       r"group-[01]\)$", said, re.M)  # fmt: skip
+    assert len(times) == 2, said[-3000:]
+    assert all(0 < float(low) <= float(high) for low, high in times), times
     assert "[None]" not in said
     assert "found in sys.modules" not in said, said[-3000:]
     assert "Unable to reset NCCL flight recorder" not in said, "torchft's warning, meaningless without NCCL"

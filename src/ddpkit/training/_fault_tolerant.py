@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,6 +97,10 @@ class FaultTolerantSteps:
         self._processes: tuple[str, ...] = ()
         self._writer = False  # whether this group was participant 0 of the last committed step
         self._deal: tuple[int, int | None] | None = None  # (participants, index) of the last step's quorum
+        self._share_time = 0.0  # seconds per batch of loading and forward in this group's last share
+        self._times: dict[str, tuple[float, int]] = {}  # this epoch: each group's (seconds per batch, steps)
+        #: The replica groups whose times ``loop.step_times`` holds, in that order (after an epoch).
+        self.timed: list[str] = []
 
     @classmethod
     def of(cls, run: TrainingRun, settings: TorchFT) -> FaultTolerantSteps:
@@ -159,7 +164,7 @@ class FaultTolerantSteps:
         group that writes (participant 0 of the epoch's first committed step) shows a bar of its steps."""
         assert self._group is not None, "FaultTolerantSteps.epoch outside its with block"
         state, bar = self.loop.state, None
-        self.position, self._finished = state.begin_epoch(), False
+        self.position, self._finished, self._times = state.begin_epoch(), False, {}
         try:
             while state.epoch < num_epochs and not (state.should_stop and self.position == 0):
                 order = self._order(state.epoch)
@@ -184,6 +189,8 @@ class FaultTolerantSteps:
         summed = self.loop.state.epoch_sums
         if not self._finished:
             return None
+        self.timed = sorted(self._times)
+        self.loop.step_times = [1000 * self._times[name][0] / self._times[name][1] for name in self.timed]
         return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -224,9 +231,16 @@ class FaultTolerantSteps:
         # The loss sums, the weights' norms, SLURM's signals and the buffers (BatchNorm's statistics) ride with
         # the gradients.
         flags = loop.preemption.received_flags()
-        riding = torch.cat([sums, own, flags, mine if index is not None else torch.zeros_like(mine)])
+        # And each group's time per batch of loading and forward, in its slot (the quorum's names, sorted).
+        members = group.members
+        times = torch.zeros(len(members), dtype=torch.float64)
+        if index is not None and self.settings.replica_id in members:
+            times[members.index(self.settings.replica_id)] = self._share_time
+        riding = torch.cat([sums, own, flags, times, mine if index is not None else torch.zeros_like(mine)])
         # Views of riding: their means over the participants once it has been averaged.
-        mean_sums, mean_norms, mean_flags, mean_buffers = torch.split(riding, [2, 2, 2, mine.numel()])
+        mean_sums, mean_norms, mean_flags, mean_times, mean_buffers = torch.split(
+            riding, [2, 2, 2, len(members), mine.numel()]
+        )
         if group.average_gradients(model.parameters(), also=riding):
             sums = mean_sums * participants  # their mean over the participants -> their sum
             if index is not None:
@@ -244,6 +258,10 @@ class FaultTolerantSteps:
         with torch.no_grad():
             for buffer, mean in zip(buffers, torch.split(mean_buffers, [b.numel() for b in buffers]), strict=True):
                 buffer.copy_((mean if buffer.is_floating_point() else mean.round()).view_as(buffer))
+        for name, seconds in zip(members, (mean_times * participants).tolist(), strict=True):
+            if seconds > 0:  # a group that trained a share in this step
+                total, steps = self._times.get(name, (0.0, 0))
+                self._times[name] = (total + seconds, steps + 1)
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
         self.position += min(self.size, len(self._order(state.epoch)) - self.position)
         self._writer = index == 0
@@ -280,9 +298,10 @@ class FaultTolerantSteps:
         """Forward and backward of participant ``index``'s share of ``step`` (dataset indices from position
         ``low`` of ``epoch``) among ``participants``: its loss sums (``(2,)`` float64); nothing for ``None``."""
         run, loop, sums = self.run, self.loop, torch.zeros(2, dtype=torch.float64)
+        self._share_time = 0.0
         if index is None:
             return sums
-        forward = run.forward_model
+        forward, busy, previous, batches = run.forward_model, 0.0, time.perf_counter(), 0
         loaded = self._ahead.share(epoch, low, participants, index) if self._ahead is not None else None
         for number, chunk in enumerate(shares(step, participants, index, self.batch_size)):
             reseed_torch(epoch_seed(loop.seed, epoch, low + index + participants * number * self.batch_size))
@@ -291,8 +310,11 @@ class FaultTolerantSteps:
             )
             with loop.recipe.autocast(loop.device):
                 loss = loop.training_step(forward, batch)
+            busy += time.perf_counter() - previous  # loading and forward: before the step's all-reduce
             loop.recipe.backward(loss * (len(chunk) * participants / len(step)))
             sums += torch.tensor([float(loss.detach()) * len(chunk), len(chunk)], dtype=torch.float64)
+            previous, batches = time.perf_counter(), batches + 1
+        self._share_time = busy / max(1, batches)
         return sums
 
     def _note_members(self, processes: tuple[str, ...], step: int) -> None:

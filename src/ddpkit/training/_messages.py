@@ -30,18 +30,24 @@ def skipped_model_error(method: Callable[..., Any], state: RunState, index: int)
     )
 
 
-def straggler_text(step_times: list[float]) -> str:
-    """``load+forward 4.1-5.2 ms/batch (slowest rank 1)`` for the ranks' mean times per batch (ms)."""
+def straggler_text(step_times: list[float], names: list[str] | None = None) -> str:
+    """``load+forward 4.1-5.2 ms/batch (slowest rank 1)`` for the ranks' mean times per batch (ms), or for the
+    processes ``names`` names (``slowest group-1``: replica groups)."""
     slowest = max(range(len(step_times)), key=step_times.__getitem__)
-    return f"load+forward {min(step_times):.1f}-{max(step_times):.1f} ms/batch (slowest rank {slowest})"
+    who = names[slowest] if names else f"rank {slowest}"
+    return f"load+forward {min(step_times):.1f}-{max(step_times):.1f} ms/batch (slowest {who})"
 
 
-def epoch_line(epoch: int, num_epochs: int, loss: float, metrics: dict[str, float], step_times: list[float]) -> str:
-    """``epoch  2/10  train loss 0.1234  validation accuracy 0.9600  load+forward ...`` (``epoch`` 0-based)."""
+def epoch_line(
+    epoch: int, num_epochs: int, loss: float, metrics: dict[str, float], step_times: list[float],
+    names: list[str] | None = None,
+) -> str:  # fmt: skip
+    """``epoch  2/10  train loss 0.1234  validation accuracy 0.9600  load+forward ...`` (``epoch`` 0-based;
+    ``names``: whose ``step_times`` they are, default ranks 0, 1, ...)."""
     parts = [f"epoch {epoch + 1:>2}/{num_epochs}", f"train loss {loss:.4f}"]
     parts += [f"validation {name} {value:.4f}" for name, value in metrics.items()]
     if len(step_times) > 1:
-        parts.append(straggler_text(step_times))
+        parts.append(straggler_text(step_times, names))
     return "  ".join(parts)
 
 

@@ -77,6 +77,8 @@ class StepDriver(Protocol):
 
     #: Put before the epoch's line (a replica group's name).
     prefix: str
+    #: Whose times the loop's ``step_times`` holds, in order (replica groups); empty: the ranks 0, 1, ...
+    timed: list[str]
 
     @property
     def leader(self) -> bool:
@@ -258,7 +260,8 @@ class TrainingRun:
             state.history[f"validation_{name}"].append(value)
         self._end_epoch_recipe()
         if driver.leader:
-            tqdm.write(line := driver.prefix + epoch_line(state.epoch, num_epochs, loss, metrics, loop.step_times))
+            line = driver.prefix + epoch_line(state.epoch, num_epochs, loss, metrics, loop.step_times, driver.timed)
+            tqdm.write(line)
             log.info(line)
         loop.callbacks_handler.execute("on_epoch_end")
         state.epoch += 1
@@ -369,6 +372,7 @@ class DDPSteps:
 
     def __init__(self, run: TrainingRun, model: nn.Module, accumulation: int) -> None:
         self.run, self.model, self.accumulation = run, model, accumulation
+        self.timed: list[str] = []  # the loop's step_times are the ranks', in order
         self._loss: float | None = None
 
     @property
