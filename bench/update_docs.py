@@ -1,8 +1,8 @@
-"""Run every benchmark and put its output into the README, with the machine it ran on.
+"""Run every benchmark and put its output into the documentation's Benchmarks page, with the machine it ran on.
 
-    .venv/bin/python bench/update_readme.py [--only collectives,samplers,...]
+    .venv/bin/python bench/update_docs.py [--only collectives,samplers,...]
 
-Each benchmark's output replaces the text block after its marker in README.md
+Each benchmark's output replaces the text block after its marker in docs/benchmarks.md
 (``<!-- bench/NAME.py -->``), headed by the CPU, core count, torch version and
 date. Targets a benchmark misses are marked ``MISSED`` in its output. Takes a
 few minutes; run it on an otherwise idle machine.
@@ -50,7 +50,7 @@ def replace_block(readme: str, name: str, output: str) -> str:
     marker = f"<!-- bench/{name}.py -->"
     pattern = re.compile(re.escape(marker) + r"\n.*?```text\n.*?```\n", re.S)
     if not pattern.search(readme):
-        raise SystemExit(f"README.md has no {marker} followed by a ```text block")
+        raise SystemExit(f"docs/benchmarks.md has no {marker} followed by a ```text block")
     stamp = f"{marker}\nMeasured on {machine()}, {datetime.date.today():%Y-%m-%d}:\n\n```text\n{output}\n```\n"
     return pattern.sub(lambda _: stamp, readme, count=1)
 
@@ -59,13 +59,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated benchmark names")
     args = parser.parse_args()
-    path = ROOT / "README.md"
+    path = ROOT / "docs" / "benchmarks.md"
     readme = path.read_text(encoding="utf-8")
     for name in args.only.split(","):
         print(f"running bench/{name}.py ...", flush=True)
         readme = replace_block(readme, name, run(name))
     path.write_text(readme, encoding="utf-8")
-    print("README.md updated")
+    print("docs/benchmarks.md updated")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The README's quick start is what CI runs, and every Python block in it runs as written."""
+"""The README's quick start is what CI runs; every Python block of the README and of the guides in docs/ runs as
+written; every file they link to exists; the CLI page names every command and variable."""
 
 from __future__ import annotations
 
@@ -36,8 +37,18 @@ def test_quick_start_is_two_commands_and_ci_runs_both_verbatim() -> None:
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
+#: The README and the guides (the pages that include ARCHITECTURE, CONTRIBUTING and CHANGELOG hold no block).
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    return [block for page in PAGES for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)]
+
+
+def _links(page: Path) -> list[str]:
+    """The relative link targets of ``page`` (anchors cut; the docs build checks those)."""
+    found = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+    return [link.split("#")[0] for link in found if not link.startswith(("http://", "https://", "#", "mailto:"))]
 
 
 def _block_id(block: str) -> str:
@@ -58,21 +69,20 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("DDPKIT_", "PYTEST_", "RANK", "MASTER_"))}
 
 
-def test_the_readme_links_every_example_file_and_every_linked_file_exists() -> None:
-    readme = (ROOT / "README.md").read_text()
-    linked = set(re.findall(r"\]\(((?:src/ddpkit/)?examples/[\w/]+\.py)\)", readme))
-    assert {f"examples/{path.name}" for path in EXAMPLES} <= linked
-    assert [path for path in linked if not (ROOT / path).is_file()] == []
+def test_the_pages_link_every_example_file_and_every_linked_file_exists() -> None:
+    linked = {(page.parent / link).resolve() for page in PAGES for link in _links(page)}
+    assert {path.resolve() for path in EXAMPLES} <= linked, "an example file that no page links to"
+    assert sorted(str(path) for path in linked if not path.exists()) == []
     assert len(python_blocks()) >= 7
-    for path in EXAMPLES:  # a file the README shows is shown whole, as it is
+    for path in EXAMPLES:  # a file a page shows is shown whole, as it is
         text = path.read_text()
         shown = [block for block in python_blocks() if block.splitlines()[0] == text.splitlines()[0]]
-        assert shown in ([], [text]), f"the README's copy of examples/{path.name} differs from the file"
+        assert shown in ([], [text], [text, text]), f"a page's copy of examples/{path.name} differs from the file"
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("block", python_blocks(), ids=_block_id)
-def test_every_python_block_of_the_readme_runs_as_written(block: str, tmp_path: Path) -> None:
+def test_every_python_block_of_the_readme_and_the_guides_runs_as_written(block: str, tmp_path: Path) -> None:
     """Each block in a fresh directory, as a user who copies it into a file; a test module under pytest."""
     if "def test_" in block:
         (tmp_path / "test_block.py").write_text(block)
@@ -104,3 +114,16 @@ def test_the_torchrun_style_example_runs_under_ddpkit_run(tmp_path: Path) -> Non
     (line,) = result.stdout.splitlines()
     assert line.startswith("2 ranks, 2 epochs: validation accuracy 0.9")
     assert result.stderr == "", "nothing but the script's own output"
+
+
+# --- the CLI page -----------------------------------------------------------------------------------
+
+
+def test_the_cli_page_names_every_command_and_every_ddpkit_variable() -> None:
+    from ddpkit.cli import build_parser
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    commands = next(a for a in build_parser()._actions if a.choices and isinstance(a.choices, dict)).choices
+    assert [name for name in commands if f"`ddpkit {name}" not in page] == []
+    used = set(re.findall(r"DDPKIT_[A-Z_]+", "".join(p.read_text() for p in (ROOT / "src").rglob("*.py"))))
+    assert sorted(name for name in used if f"`{name}`" not in page) == []

@@ -47,17 +47,17 @@ def _wait(job: str, cwd: Path, timeout: float = 150) -> tuple[str, str]:
 # --- Slurm ----------------------------------------------------------------------------------------
 
 
-def _readme_job_script() -> str:
-    readme = (ROOT / "README.md").read_text()
-    found = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", readme, re.DOTALL)
-    assert found is not None, "the README has no sbatch job script"
+def _guide_job_script() -> str:
+    guide = (ROOT / "docs" / "clusters.md").read_text()
+    found = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", guide, re.DOTALL)
+    assert found is not None, "the clusters guide has no sbatch job script"
     return found.group(1)
 
 
 @pytest.mark.slurm
 @pytest.mark.timeout(240)
-def test_the_readmes_job_script_trains_on_two_nodes(tmp_path: Path) -> None:
-    script = _readme_job_script()
+def test_the_clusters_guides_job_script_trains_on_two_nodes(tmp_path: Path) -> None:
+    script = _guide_job_script()
     assert "--ntasks-per-node=4" in script, "adapted below to this 2-core test cluster"
     script = script.replace("--ntasks-per-node=4", "--ntasks-per-node=1")
     script = "\n".join(line for line in script.splitlines() if "--gpus-per-node" not in line) + "\n"

@@ -257,7 +257,7 @@ def test_a_pickle_that_would_run_code_is_refused_before_it_is_loaded(
         with pytest.raises(_rendezvous.StateRefusedError, match=_REFUSED + f"it names {named}") as caught:
             holder.sync()
         assert "Nothing of it ran" in str(caught.value)
-        assert 'README section "Security"' in str(caught.value)
+        assert "Security page (docs/security.md)" in str(caught.value)
     assert not list(tmp_path.glob("ran*")), "the payload ran"
 
 
@@ -340,7 +340,7 @@ def test_with_a_secret_a_forged_state_that_adds_a_node_is_refused(
     with pytest.raises(_rendezvous.StateRefusedError, match="it is signed with a job secret and this node has none"):
         unsigned.sync()
     _write(rendezvous_store, forged)
-    unsigned.sync()  # without a secret, a well-formed state is taken: the README says so
+    unsigned.sync()  # without a secret, a well-formed state is taken: the Security page says so
     assert len(unsigned.state.participants) == 2
     handler.shutdown()
 
@@ -392,10 +392,9 @@ def test_ddpkit_run_reads_the_secret_file_and_names_one_it_cannot_use(
         _rendezvous.use_job_secret(None)
 
 
-def _readme_listeners() -> list[str]:
-    """The first cells of the README's table of what listens during a job."""
-    text = (Path(__file__).parent.parent / "README.md").read_text()
-    section = text.split("## Security", 1)[1].split("\n## ", 1)[0]
+def _guide_listeners() -> list[str]:
+    """The first cells of the Security page's tables of what listens during a job."""
+    section = (Path(__file__).parent.parent / "docs" / "security.md").read_text()
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| server")]
     return [row.split("|")[1].strip() for row in rows if not set(row) <= set("|- ")]
 
@@ -405,7 +404,7 @@ def _readme_listeners() -> list[str]:
 @pytest.mark.timeout(240)
 def test_a_stranger_on_a_two_node_jobs_network_runs_nothing_and_the_agents_say_why(tmp_path: Path) -> None:
     """In a namespace whose loopback carries 10.77.0.1, the rendezvous host: a two-node `ddpkit run` listens there
-    and on loopback only, every listener is one the README's table lists, and a pickle written to the rendezvous
+    and on loopback only, every listener is one the Security page's table lists, and a pickle written to the rendezvous
     state never runs: both agents stop with the refusal."""
     result = in_a_namespace("attack", tmp_path)
     assert result["started"], result["logs"]
@@ -425,8 +424,8 @@ def test_a_stranger_on_a_two_node_jobs_network_runs_nothing_and_the_agents_say_w
     assert len(roles["gloo"]) >= 2, roles
     every = [address for found in roles.values() for address, _ in found]
     assert set(every) <= {host, "127.0.0.1"}, f"one address per server, never every interface: {roles}"
-    named = [role.split(" (")[0].lower() for role in _readme_listeners()]
-    assert named[:3] == list(roles), "the README table lists what listens"
+    named = [role.split(" (")[0].lower() for role in _guide_listeners()]
+    assert named[:3] == list(roles), "the Security page's table lists what listens"
     assert result["stopped"], result
     assert result["seconds_to_stop"] < 20, result
     assert not result["marker"], "the stranger's command ran"

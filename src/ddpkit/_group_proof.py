@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 #: Where users read what the job secret protects and how to give it.
-GUIDE = 'the README section "Security"'
+GUIDE = "the documentation's Security page (docs/security.md)"
 
 #: Seconds a member waits for the others' nonces, then for their tags, unless ``DDPKIT_PROOF_TIMEOUT`` says.
 PROOF_TIMEOUT_S = 60.0

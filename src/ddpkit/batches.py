@@ -1,6 +1,6 @@
 """Batches as nested containers: one walker for dicts, sequences, namedtuples, sets and dataclasses.
 
-Everything in ddpkit that looks inside a batch goes through :func:`map_tensors`
+Everything in ddpkit that looks inside a batch goes through ``map_tensors``
 (rebuild it with every tensor transformed) or :func:`iter_tensors` (every
 tensor, in order): moving a batch to a device, finding the tensors DDP must
 watch, counting a batch's samples.
@@ -64,7 +64,7 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
-    """``batch`` with every tensor moved to ``device``, through nested containers (see :func:`map_tensors`).
+    """``batch`` with every tensor moved to ``device``, through nested containers (see ``map_tensors``).
 
     A tensor already there is kept as it is; a copy from CPU to a CUDA device does
     not block (``non_blocking=True``).

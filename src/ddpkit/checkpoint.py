@@ -39,7 +39,7 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> None
     rank 0 only); two that write at once each leave a whole file, the last one's.
     The temporary file is ``.<name>.<random>.tmp`` beside ``path``; ones left by
     a writer that was killed are removed by the next successful write once they
-    have not changed for :data:`STALE_AFTER_S` seconds (a newer one may be
+    have not changed for ``STALE_AFTER_S`` seconds (a newer one may be
     another writer's, still writing).
 
     Raises:

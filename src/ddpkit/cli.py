@@ -181,7 +181,7 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="a file holding the job secret, the same on every node: the rendezvous is signed with it and every "
-        "rank proves that it holds it (instead of DDPKIT_JOB_SECRET; see the README, 'Security')",
+        "rank proves that it holds it (instead of DDPKIT_JOB_SECRET; see docs/security.md)",
     )
 
 
@@ -266,8 +266,8 @@ def _run_replica_groups(args: argparse.Namespace) -> int:
             "run",
             f"--fault-tolerance runs the replica groups of one machine (not --nnodes {args.nnodes}, nor under srun or "
             "mpirun); on several, serve the lighthouse yourself (ddpkit.fault_tolerance.serve_lighthouse) and start "
-            "each group with TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID set (see the README, 'Fault tolerance without "
-            "restarts')",
+            "each group with TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID set (see the "
+            "documentation's fault-tolerance page, docs/fault-tolerance.md)",
             status=2,
         )
     try:

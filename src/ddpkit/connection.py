@@ -155,8 +155,8 @@ def init_dist_connection(
             turns the watchdog off). With several processes a watchdog thread
             then watches every collective of this process (torch's flight
             recorder is turned on for it); past the deadline every rank's state
-            and stack go into one report and the job stops (see the README,
-            "When a job hangs"). The process group's own ``timeout`` defaults to
+            and stack go into one report and the job stops (see the
+            documentation's page on hangs, ``docs/hangs.md``). The process group's own ``timeout`` defaults to
             at least this plus 60 s, so that the report comes first.
         **kwargs: forwarded to ``init_process_group``, e.g. ``timeout`` (a
             ``timedelta``, or a number of seconds) or ``init_method``.

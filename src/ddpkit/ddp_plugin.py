@@ -220,7 +220,7 @@ class DDPPlugin:
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
-        """The process group this process trains in: the whole world (``None`` without a process group)."""
+        """The process group this process trains in, the whole world (``None`` without a process group)."""
         return dist.group.WORLD if is_distributed() else None
 
 

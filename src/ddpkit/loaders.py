@@ -199,7 +199,7 @@ def stream_loader(
 
     Args:
         loader: a loader over a stream.
-        ends: :data:`~ddpkit.streams.StreamEnds` (default ``"even"``, or the
+        ends: ``StreamEnds`` (default ``"even"``, or the
             ``StreamDataLoader``'s own).
         world_size, rank: as for :class:`~ddpkit.ShardedStream` (default: the process group's).
 

@@ -103,7 +103,7 @@ def gather_stream_in_order(
 
     Each rank passes its results (one row or list item per item it processed)
     and their keys, as :meth:`~ddpkit.StreamDataLoader.iter_tagged` gave them
-    (:attr:`~ddpkit.streams.StreamBatch.keys`, concatenated). Every rank gets
+    (``keys``, concatenated). Every rank gets
     back all results ordered by ``(shard, offset)``, the order one process
     reading the stream sees them; an item that occurs more than once (the
     padding of ``ends="even"``) is kept once. One uneven gather plus a sort.

@@ -16,7 +16,7 @@ beside each batch: they give evaluation its order back
 so a resumed epoch neither replays nor skips any.
 
 Streams end unevenly (ranks get different numbers of batches); the choice of
-:data:`StreamEnds` says what then happens, agreed by one small all-reduce per
+``StreamEnds`` says what then happens, agreed by one small all-reduce per
 8 batches read ahead.
 """
 
@@ -258,11 +258,12 @@ class StreamDataLoader(DataLoader[Any]):
 
     Args:
         dataset: a :class:`ShardedStream` (another ``IterableDataset`` is wrapped in one).
-        ends: :data:`StreamEnds` (default ``"even"``: every rank takes the same
+        ends: ``StreamEnds`` (default ``"even"``: every rank takes the same
             number of steps, as with ``DistributedSampler``, so a plain training
             loop cannot hang and no item is dropped; ``"join"`` repeats none,
             but a hand-written loop needs torch's ``Join``).
-        *args, **kwargs: ``DataLoader``'s.
+        *args: positional arguments, as ``**kwargs``.
+        **kwargs: ``DataLoader``'s.
 
     Raises:
         ValueError: an unknown ``ends``; while iterating with ``"even"``: some
@@ -292,7 +293,7 @@ class StreamDataLoader(DataLoader[Any]):
         self.stream.set_epoch(epoch)
 
     def resume(self, consumed: list[Any]) -> None:
-        """Skip, in the next epoch iterated, the items ``consumed`` lists (a :meth:`StreamProgress.merged` state)."""
+        """Skip, in the next epoch iterated, the items ``consumed`` lists (a ``StreamProgress.merged`` state)."""
         self.stream.consumed = tuple(consumed)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]

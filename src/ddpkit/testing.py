@@ -81,7 +81,8 @@ def run_parallel(
     Args:
         fn: a function defined at the top level of an importable module (it is
             pickled to the workers); it finds its rank with ``dist.get_rank()``.
-        *args, **kwargs: picklable arguments, the same for every rank.
+        *args: positional arguments, as ``**kwargs``.
+        **kwargs: picklable arguments, the same for every rank.
         world_size: number of ranks (default 2); one pool per world size is kept.
         timeout: seconds every rank has to finish (default 30).
 

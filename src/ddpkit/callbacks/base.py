@@ -124,7 +124,7 @@ class DistributedSamplerSetEpoch(Callback):
     Args:
         train_sampler, validation_sampler, test_sampler: the samplers (``None`` to skip).
         generators: the loaders' own generators, reseeded each epoch from
-            ``seed`` and the epoch (:func:`~ddpkit.samplers.epoch_seed`) so that
+            ``seed`` and the epoch (``epoch_seed``) so that
             starting a loader's iterator never draws from the global RNG and
             depends on the epoch only.
         seed: the base seed for ``generators``.

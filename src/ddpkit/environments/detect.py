@@ -21,7 +21,7 @@ __all__ = [
     "launched_environment",
 ]
 
-#: Set to one of :data:`ENVIRONMENTS`' names to skip detection (``local`` turns SLURM detection off).
+#: Set to one of ``ENVIRONMENTS``' names to skip detection (``local`` turns SLURM detection off).
 CLUSTER_ENV_VARIABLE = "DDPKIT_CLUSTER_ENV"
 
 #: Environments by name, in detection order: the most specific launcher first
@@ -44,7 +44,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ClusterEnvironme
 
     ``DDPKIT_CLUSTER_ENV=local|torchelastic|kubeflow|lsf|mpi|slurm`` forces one
     (``auto`` or unset: detect). Otherwise the first environment in
-    :data:`ENVIRONMENTS` whose ``detect()`` is true wins; :class:`LocalEnvironment`
+    ``ENVIRONMENTS`` whose ``detect()`` is true wins; :class:`LocalEnvironment`
     is the fallback.
 
     Raises:

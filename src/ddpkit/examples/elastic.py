@@ -66,7 +66,8 @@ class RecordingTrainLoop(TrainLoop):
     """A :class:`~ddpkit.TrainLoop` on ``(image, label, index)`` batches that can record the samples of each step.
 
     Args:
-        *args, **kwargs: as for ``TrainLoop``.
+        *args: positional arguments, as ``**kwargs``.
+        **kwargs: as for ``TrainLoop``.
         record: a directory for ``samples-<pid>.jsonl`` (one line per optimizer
             step: epoch, step, world size, rank, the attempt's port, a time stamp
             in seconds, and the sample indices this rank used), or ``None``.

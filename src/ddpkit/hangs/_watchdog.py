@@ -61,7 +61,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Seconds a rank may wait in one collective before the job counts as hung (5 minutes; see the README).
+#: Seconds a rank may wait in one collective before the job counts as hung (5 minutes; see docs/hangs.md).
 DEFAULT_TIMEOUT = 300.0
 #: Environment variable holding the deadline in seconds for the workers of a job (``0`` or ``off``: no watchdog).
 TIMEOUT_VARIABLE = "DDPKIT_HANG_TIMEOUT"

@@ -85,8 +85,8 @@ __all__ = [
 
 #: The name of ddpkit's rendezvous backend in torch's registry (``--rdzv-backend``).
 BACKEND = "ddpkit"
-#: Where the README explains what is checked, and how to set the secret.
-README_SECTION = 'the README section "Security"'
+#: Where the documentation explains what is checked, and how to set the secret.
+GUIDE = "the documentation's Security page (docs/security.md)"
 #: Seconds an agent waits after its first refusal before it stops (see ``CheckedBackend._refused``).
 PEER_GRACE_S = 3.0
 #: A signed state starts with this, then the 32-byte HMAC-SHA256, the state's 8-byte counter, then torch's pickle.
@@ -136,7 +136,7 @@ def warn_without_secret(endpoint: str) -> None:
         f"this multi-node job has no job secret: any program that reaches the rendezvous store at {endpoint} "
         f"(port {port}) can add a node to the job or disrupt it (it cannot make the agents run code: ddpkit checks "
         f"every rendezvous state). Set {SECRET_VARIABLE} to the same random value on every node, or pass "
-        f"`ddpkit run --secret-file PATH`; see {README_SECTION}",
+        f"`ddpkit run --secret-file PATH`; see {GUIDE}",
         UserWarning,
         stacklevel=4,
     )
@@ -279,7 +279,7 @@ def _refusal(where: str, reason: object, endpoint: str, since: list[float] | Non
     _last_refusal = StateRefusedError(
         f"{where} was not written by a rendezvous agent of this job and was refused: {reason}. Nothing of it "
         f"ran. A program that can reach {endpoint} wrote it: firewall the port to the job's nodes, "
-        f"and set a job secret on every node ({SECRET_VARIABLE} or `ddpkit run --secret-file`); see {README_SECTION}"
+        f"and set a job secret on every node ({SECRET_VARIABLE} or `ddpkit run --secret-file`); see {GUIDE}"
     )
     return _last_refusal
 

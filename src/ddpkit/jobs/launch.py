@@ -9,7 +9,7 @@ drives ``torch.distributed.run`` (torchrun). What ddpkit adds:
   agent's store and each attempt's process-group store are bound to the loopback
   address (:mod:`ddpkit._stores`); gloo is pinned to the loopback interface;
 * under a scheduler that already started the job's processes (``srun``,
-  ``mpirun``, torchrun, a Kubeflow or LSF job: :func:`scheduler_environment`),
+  ``mpirun``, torchrun, a Kubeflow or LSF job: ``scheduler_environment``),
   nothing is spawned: ``fn`` or the script runs once in each of those processes;
 * restarts that work: on torch 2.13 a restarted attempt's
   ``init_process_group`` finds the previous attempt's keys in the agent's shared
@@ -90,7 +90,8 @@ def launch(
 
     Args:
         fn: a function defined at module top level (it is pickled to the workers).
-        *args, **kwargs: passed to ``fn``; they must be picklable. Each worker
+        *args: positional arguments, as ``**kwargs``.
+        **kwargs: passed to ``fn``; they must be picklable. Each worker
             gets its own copy (tensors included: nothing is shared in memory).
         nprocs: workers per node; default the number of CUDA devices, or 1 without CUDA.
         nnodes: number of nodes; above 1, run ``launch`` on every node with the
@@ -137,7 +138,7 @@ def launch(
             apart; default 5 s x 3).
 
     Under a scheduler that already started this job's processes
-    (:func:`scheduler_environment`: ``srun``, ``mpirun``, torchrun, ...) nothing
+    (``scheduler_environment``: ``srun``, ``mpirun``, torchrun, ...) nothing
     is spawned: ``fn`` runs in this process, on its own copy of the arguments,
     as one rank of the scheduler's tasks; ``nprocs``, ``nnodes`` and the
     rendezvous arguments are ignored, and an exception of ``fn`` propagates
@@ -259,7 +260,7 @@ def run_script(
     and unused: the c10d rendezvous numbers the nodes as they join.
 
     Under a scheduler that already started this job's processes
-    (:func:`scheduler_environment`), the script runs in this process instead,
+    (``scheduler_environment``), the script runs in this process instead,
     with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` set from the scheduler's variables.
 

@@ -34,7 +34,7 @@ class DDPSamplerWrapper(DistributedSamplerWrapper):
     draws its own), rank 0's is shared with every rank (one broadcast), and
     every epoch, epoch 0 included, runs the sampler with the RNGs seeded from
     that base and the epoch (each iteration advances the epoch, as OML's
-    :meth:`_reload`). The same user seed gives the same epochs, and no epoch
+    ``_reload``). The same user seed gives the same epochs, and no epoch
     repeats another. Unlike OML, epoch 0 is not drawn from the global RNG as it
     stands (ranks seeded differently would disagree), and ranks whose sampler
     still draws different orders raise instead of losing and repeating items.

@@ -4,7 +4,7 @@ Every epoch the wrapped sampler runs once, with the global RNGs (torch, numpy,
 ``random``) forked and seeded with the epoch's seed and restored afterwards,
 and with a generator seeded the same way in every ``generator`` attribute that
 is ``None`` (the sampler's own, and those of the samplers it wraps). The
-epoch's seed is :func:`epoch_seed` of a base seed and the epoch. Stock
+epoch's seed is ``epoch_seed`` of a base seed and the epoch. Stock
 ``SequentialSampler``, ``RandomSampler`` and ``BatchSampler`` are reproduced
 as tensors (no Python list of N indices); any other sampler is iterated.
 

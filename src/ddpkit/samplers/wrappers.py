@@ -50,7 +50,7 @@ class DistributedSamplerWrapper(DistributedSampler):  # type: ignore[type-arg]
         shuffle: also shuffle the entries' positions between ranks (a local
             generator seeded with ``seed + epoch``, as ``DistributedSampler``; the
             global RNG is not touched).
-        seed: seeds the position shuffle and, through :func:`epoch_seed`, the
+        seed: seeds the position shuffle and, through ``epoch_seed``, the
             wrapped sampler's randomness (as ``DistributedSampler``'s ``seed``,
             the order does not depend on the global RNG).
         drop_last: drop the tail so all ranks get ``len // W`` entries.

@@ -144,13 +144,13 @@ class TrainLoop:
     epoch = RunField[int]()
     #: Optimizer steps taken in all.
     global_step = RunField[int]()
-    #: Per-epoch numbers: ``train_loss`` and ``validation_<metric>``.
+    #: Per-epoch numbers, ``train_loss`` and ``validation_<metric>``.
     history = RunField[dict[str, list[float]]]()
     #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``).
     step_loss = RunField[torch.Tensor]()
     #: Set by a callback (e.g. :class:`~ddpkit.EarlyStopping`, on every rank) to end ``fit`` after this epoch.
     should_stop = RunField[bool]()
-    #: What the last optimizer step measured besides its loss (same on every rank): ``lr`` with a scheduler,
+    #: What the last optimizer step measured besides its loss, the same on every rank. ``lr`` with a scheduler,
     #: ``grad_norm`` (before clipping) with clipping, ``replica_groups`` (the groups whose items it averaged) with
     #: fault tolerance.
     step_metrics = RunField[dict[str, float]]()
@@ -216,8 +216,8 @@ class TrainLoop:
         self.ddp_handler: DDPHandler | None = None
         #: The DDP-wrapped model once :meth:`fit` has set up (the model itself in one process).
         self.ddp_model: nn.Module | None = None
-        #: Each rank's mean time per batch in the last epoch (ms) for loading and forward, before the step's
-        #: all-reduce (a fast rank waits there for a slow one). Empty in one process.
+        #: Each rank's (with fault tolerance each replica group's, by name) mean time per batch in the last epoch
+        #: (ms) for loading and forward, before the step's all-reduce (a fast one waits there). Empty in one process.
         self.step_times: list[float] = []
         self._run = TrainingRun(self)  # how it trains: set-up, epochs, steps, checkpoints
 
@@ -231,7 +231,7 @@ class TrainLoop:
     # --- the steps to override --------------------------------------------------------------------
 
     def batch_to_device(self, batch: Any) -> Any:
-        """Move a batch to :attr:`device` (nested tensors; see :func:`~ddpkit.move_data_to_device`)."""
+        """Move a batch to ``device`` (nested tensors; see :func:`~ddpkit.move_data_to_device`)."""
         return move_data_to_device(batch, self.device)
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -325,7 +325,7 @@ class TrainLoop:
         The train loop (model, loaders, optimizer, callbacks) is pickled to every
         worker, and every worker starts from this process's random state (torch,
         numpy, Python): the run is reproducible. Afterwards this process's
-        :attr:`model` holds the trained weights and :attr:`history` rank 0's
+        ``model`` holds the trained weights and :attr:`history` rank 0's
         history. With ``max_restarts`` and a ``checkpoint_dir``, restarted workers
         resume from the last checkpoint (bit-identical to an uninterrupted run).
         Call it under ``if __name__ == "__main__":``. Under a scheduler that

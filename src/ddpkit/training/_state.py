@@ -146,7 +146,7 @@ class TrainState:
         global_step: optimizer steps taken in all.
         seed: the base seed of the data order.
         world_size: the number of ranks that wrote it.
-        rng: every rank's random state (:func:`~ddpkit.checkpoint.rng_state`), by rank.
+        rng: every rank's random state (``rng_state``), by rank.
         history: the per-epoch numbers so far (``train_loss``, ``validation_*``).
         batch: in checkpoints of ddpkit 0.1 (version 1), the position as batches
             of ``epoch`` each rank had done; ``None`` since.

@@ -28,7 +28,7 @@ class ExtractorModuleDDP(RetrievalValidation):
     scheduler_monitor_metric, freeze_n_epochs)``, positionally or by keyword.
 
     Training: ``criterion(extractor(inputs), labels)``; the default criterion
-    (``None``; OML has none) is :func:`~ddpkit.metric_learning.triplet_loss` with
+    (``None``; OML has none) is ``triplet_loss`` with
     margin 0.5, whose positives and negatives come from every rank's batch
     through :func:`~ddpkit.all_gather_ddp_if_available` with ``sync_grads=True``
     (so every rank's batch must have the same size: use a batch sampler such as
@@ -36,7 +36,7 @@ class ExtractorModuleDDP(RetrievalValidation):
     ``extract()`` when it has one, as OML's), gathered in single-process order
     with :func:`~ddpkit.gather_in_order`, give ``precision_at_1`` (the share of
     samples whose nearest other sample has their label), logged and kept in
-    :attr:`validation_metrics`; it equals a single-process evaluation of the same
+    ``validation_metrics``; it equals a single-process evaluation of the same
     weights exactly. ``validation_step`` returns OML's ``{**batch,
     embeddings_key: embeddings}`` for dict batches.
 

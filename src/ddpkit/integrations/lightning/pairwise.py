@@ -69,7 +69,7 @@ class PairwiseModuleDDP(RetrievalValidation):
     with :func:`~ddpkit.sync_ddp`, so ``precision_at_1_before`` (nearest
     candidate) and ``precision_at_1_after`` (best-scored candidate) equal a
     single-process evaluation exactly. Both are logged and kept in
-    :attr:`validation_metrics`.
+    ``validation_metrics``.
 
     Args:
         loaders_train, loaders_val: as in :class:`ModuleDDP`.
@@ -77,10 +77,10 @@ class PairwiseModuleDDP(RetrievalValidation):
         pairs_miner: OML's miner of pairs (``sample(features, labels)``), or ``None``.
         criterion: the loss of OML's way (``None``: ``BCEWithLogitsLoss``).
         optimizer: over ``pairwise_model``'s parameters.
-        scheduler, scheduler_interval, scheduler_frequency, input_tensors_key,
-            labels_key, embeddings_key, scheduler_monitor_metric,
-            freeze_n_epochs: as in :class:`ExtractorModuleDDP` (the pairwise
-            model is the one frozen).
+        scheduler, scheduler_interval, scheduler_frequency: as in :class:`ExtractorModuleDDP`.
+        input_tensors_key, labels_key, embeddings_key: as in :class:`ExtractorModuleDDP`.
+        scheduler_monitor_metric, freeze_n_epochs: as in :class:`ExtractorModuleDDP` (the
+            pairwise model is the one frozen).
         extractor: ``(B, ...)`` inputs -> ``(B, D)`` embeddings, frozen; ``None``: identity.
         top_n: candidates re-scored per query (default 5, >= 1).
 
