@@ -32,7 +32,8 @@ from ddpkit import (
     rank_zero_only,
     seed_everything,
 )
-from ddpkit.connection import _backend_threads, _resolve_backend
+from ddpkit._backends import backend_threads as _backend_threads
+from ddpkit._backends import resolve_backend as _resolve_backend
 from ddpkit.hangs._watchdog import hang_timeout
 from ddpkit.process_group import collective_device
 from ddpkit.testing import run_parallel

@@ -11,18 +11,15 @@ jobs of several processes.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
-import socket
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ddpkit._backends import pin_gloo_to_loopback, resolve_backend
 from ddpkit._group_proof import PROOF_COLLECTIVES, SignedStore, gloo_addresses, prove_members
 from ddpkit._secret import job_secret
 from ddpkit._stores import release_store, serve_store
@@ -42,44 +39,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Seconds the main thread sleeps at exit, with the GIL released, while gloo's worker threads are alive.
-EXIT_GRACE_S = 0.1
-
-
-def _release_the_gil_to_backend_threads() -> None:
-    """At exit, before the interpreter finalizes: let gloo's worker threads drop what they still hold.
-
-    A gloo worker thread drops the tensors of the collective it has just finished after the caller was
-    told that the collective is done, and dropping a tensor that Python also knew takes the GIL. When the
-    main thread reaches interpreter finalization first (a rank that exits right after its last
-    collective), that worker thread is ended inside C++ code and the process aborts with "terminate
-    called without an active exception" (exit status 134), after its work was done. Torch keeps a
-    group's threads alive after ``destroy_process_group`` once a ``DistributedDataParallel`` module has
-    used the group, so a program that destroys its group is not safe either. Measured under srun with 2
-    tasks: 6 aborts in 40 runs of a plain DDP script without this, none in 65 with it.
-
-    Registered when ddpkit is imported, so it runs after the exit hooks registered later (the one that
-    destroys a group :func:`ensure_dist_connection` made included); it costs ``EXIT_GRACE_S`` seconds
-    only in a process that still has gloo threads.
-    """
-    if _backend_threads():
-        time.sleep(EXIT_GRACE_S)
-
-
-def _backend_threads() -> list[str]:
-    """The names of this process's gloo threads that torch named (``pt_gloo_runloop``; Linux only)."""
-    names = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
-                name = comm.read().strip()
-                if name.startswith("pt_gloo"):
-                    names.append(name)
-    return names
-
-
-atexit.register(_release_the_gil_to_backend_threads)  # registered first: runs after every later exit hook
-
 #: The default group's signed store (with a job secret), kept alive for torch (see :func:`_signed_store`).
 _signed: SignedStore | None = None
 #: The port of the loopback store this process hosts for the default group (rank 0), if any.
@@ -87,7 +46,6 @@ _served_port: int | None = None
 #: The default group :func:`ensure_dist_connection` created, destroyed at exit if still there.
 _ensured_group: Any = None
 
-_KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 #: torch's shortest default process-group timeout (NCCL's 10 minutes; gloo's is 30).
 _SHORTEST_DEFAULT_TIMEOUT_S = 600
 
@@ -210,7 +168,7 @@ def init_dist_connection(
     if not 0 <= rank < size:
         raise ValueError(f"global_rank={rank} must be in [0, world_size={size})")
     local_rank = _optional_method(env, "local_rank", None) or 0
-    backend = _resolve_backend(torch_distributed_backend, local_rank)
+    backend = resolve_backend(torch_distributed_backend, local_rank)
     if size > 1 and isinstance(env, LocalEnvironment) and env.port_was_chosen:
         found = f"WORLD_SIZE={size}, RANK={rank}" if world_size is None else f"world_size={size}, rank={rank}"
         raise ClusterEnvironmentError(
@@ -230,7 +188,7 @@ def init_dist_connection(
     os.environ["MASTER_ADDR"] = address
     os.environ["MASTER_PORT"] = str(port)
     if "gloo" in backend and is_loopback(address):
-        _pin_gloo_to_loopback()
+        pin_gloo_to_loopback()
     if "nccl" in backend:
         torch.cuda.set_device(local_rank)
     if isinstance(kwargs.get("timeout"), (int, float)):
@@ -407,52 +365,3 @@ def _check_matches_existing_group(global_rank: int | None, world_size: int | Non
             f"the default process group already exists as rank {rank} of {size}, but init_dist_connection "
             f"was asked for global_rank={global_rank}, world_size={world_size}; call destroy_dist_connection() first"
         )
-
-
-def _owns_cuda_device(local_rank: int) -> bool:
-    return torch.cuda.is_available() and local_rank < torch.cuda.device_count()
-
-
-def _backend_available(name: str) -> bool:
-    checks: dict[str, Callable[[], bool]] = {
-        "gloo": dist.is_gloo_available,
-        "nccl": dist.is_nccl_available,
-        "mpi": dist.is_mpi_available,
-        "ucc": dist.is_ucc_available,
-        "xccl": getattr(dist, "is_xccl_available", lambda: False),
-    }
-    return checks[name]()
-
-
-def _resolve_backend(requested: str | None, local_rank: int) -> str:
-    """The backend name to pass to ``init_process_group`` (see :func:`init_dist_connection`)."""
-    if requested is None or requested.strip().lower() in ("", "auto"):
-        return "nccl" if _owns_cuda_device(local_rank) and dist.is_nccl_available() else "gloo"
-    name = requested.strip().lower()
-    backends = [part.split(":")[-1].strip() for part in name.split(",")]
-    available = [b for b in _KNOWN_BACKENDS if _backend_available(b)]
-    for backend in backends:
-        if backend not in _KNOWN_BACKENDS:
-            raise ValueError(
-                f"unknown torch_distributed_backend={requested!r}; use one of {', '.join(_KNOWN_BACKENDS)}, "
-                "'auto', or a device map such as 'cpu:gloo,cuda:nccl'"
-            )
-        if not _backend_available(backend):
-            raise ValueError(
-                f"backend {backend!r} is not available in this PyTorch build; available: {', '.join(available)}"
-            )
-    if "nccl" in backends and not _owns_cuda_device(local_rank):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(
-            f"backend 'nccl' needs a CUDA device for local rank {local_rank}, but this process sees {count}; "
-            "use 'gloo' on CPU (or torch_distributed_backend=None to choose automatically)"
-        )
-    return name
-
-
-def _pin_gloo_to_loopback() -> None:
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return
-    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-    if names:
-        os.environ["GLOO_SOCKET_IFNAME"] = names[0]

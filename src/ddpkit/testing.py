@@ -52,8 +52,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit._backends import pin_gloo_to_loopback
 from ddpkit._orphans import die_with_parent
-from ddpkit.connection import _pin_gloo_to_loopback
 from ddpkit.errors import WorkerFailedError
 
 __all__ = ["PROCESS_GROUP_TIMEOUT_S", "close_pools", "run_parallel"]
@@ -306,7 +306,7 @@ def _worker_main(
             del os.environ[name]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        _pin_gloo_to_loopback()
+        pin_gloo_to_loopback()
         dist.init_process_group(
             "gloo",
             init_method=f"file://{store}",

@@ -9,12 +9,12 @@ protocol) and checks each state it hands back:
 
 * the pickle may name only what a rendezvous state is made of (a restricted
   ``pickle.Unpickler.find_class``, as Python's pickle documentation shows), and
-  what it builds must have that state's fields and types;
+  what it builds must have that state's fields and types (``_state_check``);
 * with a job secret (``DDPKIT_JOB_SECRET``, or :func:`use_job_secret` from
   ``ddpkit run --secret-file``), everything a node reads from the store to
   form the job is signed with HMAC-SHA256 and checked before use: the state,
   and every key of a round (``MASTER_ADDR``, ``MASTER_PORT``, the assigned
-  ranks, ...: :class:`SignedRoundStore`). Each signature binds the job (a
+  ranks, ...: ``_round_store.SignedRoundStore``). Each signature binds the job (a
   random job id that the store's host writes first, signed, under
   :func:`job_key`), the run id and, for a key, its round; each state carries
   a counter that only grows, so a replayed older state of this job, or any
@@ -28,13 +28,10 @@ it ran or was used.
 from __future__ import annotations
 
 import hmac
-import io
 import os
-import pickle
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torch.distributed.elastic.rendezvous import (
@@ -49,7 +46,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     Token,
     _NodeDesc,
-    _RendezvousState,
     _RendezvousStateHolder,
 )
 
@@ -62,6 +58,9 @@ from ddpkit._secret import (
     tag,
     use_job_secret,
 )
+from ddpkit.jobs._round_store import SignedRoundStore
+from ddpkit.jobs._state_check import RefusalError as _RefusalError
+from ddpkit.jobs._state_check import StateRefusedError, check_state
 
 __all__ = [
     "BACKEND",
@@ -94,16 +93,6 @@ _SIGNED = b"ddpkit-hmac-sha256-v2\0"
 _DIGEST = DIGEST_BYTES
 #: A signed value of a round's key, or the job id, starts with this, then the 32-byte HMAC-SHA256, then the value.
 _SIGNED_VALUE = b"ddpkit-signed-value\0"
-#: Larger than any real state (about 100 bytes per node); a bigger one is refused unread.
-_MAX_STATE_BYTES = 16 * 2**20
-#: What a rendezvous state's pickle names: torch's two classes and the datetimes of its deadlines and heartbeats.
-_ALLOWED = {
-    (_RendezvousState.__module__, _RendezvousState.__qualname__): _RendezvousState,
-    (_NodeDesc.__module__, _NodeDesc.__qualname__): _NodeDesc,
-    ("datetime", "datetime"): datetime,
-    ("datetime", "timezone"): timezone,
-    ("datetime", "timedelta"): timedelta,
-}
 #: Scheduler variables that name the job, for a rendezvous id the nodes agree on without being told.
 _JOB_ID_VARIABLES = ("SLURM_JOB_ID", "LSB_JOBID", "PBS_JOBID", "FLUX_JOB_ID", "JOB_ID")
 
@@ -111,10 +100,6 @@ _T = TypeVar("_T")
 #: The last refusal in this process since :func:`forget_refusals` (what a launch that failed otherwise reports).
 _last_refusal: StateRefusedError | None = None
 _warned: set[str] = set()
-
-
-class StateRefusedError(RendezvousStateError):
-    """A rendezvous state failed ddpkit's check; it was not unpickled."""
 
 
 def default_run_id() -> str | None:
@@ -408,160 +393,3 @@ class CheckedBackend(RendezvousBackend):
             return _unseal(self._secret, "key", f"{self._job.hex()}/{self._run_id}/{key}", stored)
         except _RefusalError as refusal:
             raise self._refused(refusal, key) from None
-
-
-class SignedRoundStore:
-    """A round's store as torch's agent uses it (``MASTER_ADDR``, ``MASTER_PORT``, ranks, barriers), each value
-    signed when set and checked when read.
-
-    torch's agents hand each other the process group's address and the ranks
-    through plain keys of the round's store; here ``set``/``multi_set`` sign
-    and ``get``/``multi_get`` check (a value without this job's signature for
-    that round and key is refused), and the rest (``add``, ``wait``, ...) is
-    the store's own.
-
-    An agent that refuses a value also writes a signed refusal into each of
-    the round's keys that no agent has written yet (``MASTER_ADDR``, the
-    ranks, ...), so that the agents waiting on them stop at once and say why,
-    instead of waiting for the store's timeout.
-    """
-
-    def __init__(self, inner: Any, backend: CheckedBackend, prefix: str, nodes: int = 1) -> None:
-        self._inner = inner
-        self._backend = backend
-        self._prefix = prefix
-        self._nodes = nodes
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self._inner.set(key, self._backend.seal(self._prefix + key, _bytes(value)))
-
-    def get(self, key: str) -> bytes:
-        return self._open(key, bytes(self._inner.get(key)))
-
-    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
-        sealed = [
-            self._backend.seal(self._prefix + key, _bytes(value)) for key, value in zip(keys, values, strict=True)
-        ]
-        self._inner.multi_set(list(keys), sealed)
-
-    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        found = self._inner.multi_get(list(keys))
-        return [self._open(key, bytes(value)) for key, value in zip(keys, found, strict=True)]
-
-    def _open(self, key: str, stored: bytes) -> bytes:
-        try:
-            value = self._backend.unseal(self._prefix + key, stored)
-        except StateRefusedError as refusal:
-            self._tell_the_others(str(refusal))
-            raise
-        if value.startswith(_PEER_REFUSED):
-            raise StateRefusedError(
-                f"another agent of this job stopped the rendezvous: {value[len(_PEER_REFUSED) :].decode()}"
-            )
-        return value
-
-    def _tell_the_others(self, reason: str) -> None:
-        """Write the refusal, signed, into every key of this round that the agents wait on and nobody wrote yet."""
-        keys = ["MASTER_ADDR", "MASTER_PORT"]
-        for node in range(max(self._nodes, 2)):
-            keys += [f"torchelastic/role_info/{node}", f"torchelastic/assigned_ranks/{node}"]
-        for key in keys:
-            try:
-                sealed = self._backend.seal(self._prefix + key, _PEER_REFUSED + reason.encode())
-                self._inner.compare_set(key, "", sealed)
-            except Exception:  # the store is gone: nobody waits on it any more
-                return
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-#: What a round's key holds when an agent refused the round: this, then why.
-_PEER_REFUSED = b"\0ddpkit-refused\0"
-
-
-def _bytes(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
-
-
-class _RefusalError(Exception):
-    """Why a state was refused (internal)."""
-
-
-class _StateUnpickler(pickle.Unpickler):
-    """Builds only what a rendezvous state is made of; any other name ends the load before it is imported."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _ALLOWED.get((module, name))
-        if allowed is None:
-            raise _RefusalError(f"it names {module}.{name}, which a rendezvous state never contains")
-        return allowed
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _RefusalError("it holds a persistent id, which a rendezvous state never contains")
-
-
-def check_state(state: bytes) -> None:
-    """Raise ``_RefusalError`` unless ``state`` is a pickle of torch's rendezvous state and nothing else.
-
-    The pickle is loaded with only the state's own classes and datetimes
-    importable, then every field's type is checked (a state that would crash
-    the agents later, e.g. an ``int`` where a flag belongs, is refused too).
-    """
-    if len(state) > _MAX_STATE_BYTES:
-        raise _RefusalError(f"it is {len(state)} bytes, more than any rendezvous state ({_MAX_STATE_BYTES})")
-    try:
-        loaded = _StateUnpickler(io.BytesIO(state)).load()
-    except _RefusalError:
-        raise
-    except Exception as exc:  # truncated, garbage, a call with wrong arguments, ...
-        raise _RefusalError(f"it is not a valid pickle ({type(exc).__name__}: {exc})") from None
-    problem = _shape_problem(loaded)
-    if problem:
-        raise _RefusalError(f"it is not a rendezvous state ({problem})")
-
-
-_FIELDS = frozenset(vars(_RendezvousState()))
-_NODE_FIELDS = frozenset(("addr", "pid", "local_id"))
-
-
-def _shape_problem(loaded: Any) -> str | None:
-    if type(loaded) is not _RendezvousState:
-        return f"a {type(loaded).__name__}"
-    fields = vars(loaded)
-    if set(fields) != _FIELDS:
-        return f"fields {sorted(fields)}"
-    checks: list[tuple[str, bool]] = [
-        ("round", _is_int(fields["round"])),
-        ("complete", type(fields["complete"]) is bool),
-        ("closed", type(fields["closed"]) is bool),
-        ("deadline", fields["deadline"] is None or _is_time(fields["deadline"])),
-        ("participants", _is_map(fields["participants"], _is_int)),
-        ("wait_list", _is_set(fields["wait_list"])),
-        ("redundancy_list", _is_set(fields["redundancy_list"])),
-        ("last_heartbeats", _is_map(fields["last_heartbeats"], _is_time)),
-    ]
-    bad = [name for name, ok in checks if not ok]
-    return f"bad {', '.join(bad)}" if bad else None
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int
-
-
-def _is_time(value: Any) -> bool:
-    return type(value) is datetime and value.tzinfo is not None
-
-
-def _is_node(value: Any) -> bool:
-    if type(value) is not _NodeDesc or set(vars(value)) != _NODE_FIELDS:
-        return False
-    return type(value.addr) is str and _is_int(value.pid) and _is_int(value.local_id)
-
-
-def _is_set(value: Any) -> bool:
-    return type(value) is set and all(_is_node(node) for node in value)
-
-
-def _is_map(value: Any, is_value: Any) -> bool:
-    return type(value) is dict and all(_is_node(node) and is_value(item) for node, item in value.items())
