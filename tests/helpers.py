@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import multiprocessing.context
+import multiprocessing.process
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ __all__ = [
     "in_a_namespace",
     "job_environment",
     "listening_sockets",
+    "no_processes",
     "refused",
     "rendezvous_handler",
     "settle_dying_threads",
@@ -187,8 +189,8 @@ def state_holder(handler: Any) -> Any:
     return _BackendRendezvousStateHolder(handler._state_holder._backend, handler._settings, cache_duration=0)
 
 
-def in_a_namespace(mode: str, out: Path, module: str = "tests.netns_job", timeout: float = 200) -> dict[str, Any]:
-    """Run ``python -m MODULE [MODE] OUT`` (default tests/netns_job.py) in a network namespace of its own; its
+def in_a_namespace(mode: str, out: Path, module: str = "tests.e2e.netns_job", timeout: float = 200) -> dict[str, Any]:
+    """Run ``python -m MODULE [MODE] OUT`` (default tests/e2e/netns_job.py) in a network namespace of its own; its
     ``result.json``."""
     import json
     import sys
@@ -199,3 +201,32 @@ def in_a_namespace(mode: str, out: Path, module: str = "tests.netns_job", timeou
     )  # fmt: skip
     result: dict[str, Any] = json.loads((out / "result.json").read_text())
     return result
+
+
+def no_processes(monkeypatch: pytest.MonkeyPatch, folder: str, pool: bool) -> None:
+    """Make starting a process fail in this test, naming what it started and where such a test belongs: a
+    subprocess, and a multiprocessing process unless ``pool`` and it is the session pool's worker or a
+    DataLoader's."""
+    import ddpkit.testing
+
+    def refuse(what: str) -> Any:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            where = "tests/e2e (fresh processes)" if pool else "tests/ranks (the session pool) or tests/e2e"
+            raise AssertionError(f"a test in {folder} started {what}: move it to {where}")
+
+        return refused
+
+    start = multiprocessing.process.BaseProcess.start
+
+    def start_only_the_pool(process: multiprocessing.process.BaseProcess) -> None:
+        target = getattr(getattr(process, "_target", None), "__name__", "")
+        if not pool:
+            refuse(f"a multiprocessing process ({process.name}, running {target or 'no target'})")()
+        if not process.name.startswith("ddpkit-pool-") and target != "_worker_loop":  # a DataLoader's worker
+            refuse(f"a multiprocessing process ({process.name}, running {target or 'no target'})")()
+        start(process)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse("a subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_only_the_pool)
+    if not pool:
+        monkeypatch.setattr(ddpkit.testing._Pool, "run", refuse("a task of the session pool (run_parallel)"))

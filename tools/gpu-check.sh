@@ -59,7 +59,7 @@ print(\"devices\", torch.cuda.device_count(), [torch.cuda.get_device_name(i) for
 '"
 # tests/gpu holds the hang report under NCCL (it skips with one GPU: NCCL runs one rank per GPU).
 step cuda-tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu \
-    tests/test_gather.py::test_cuda_tensors_come_back_on_their_device tests/test_comm_hooks.py
+    tests/ranks/test_gather.py::test_cuda_tensors_come_back_on_their_device tests/ranks/test_comm_hooks.py
 step demo "$PY" -m ddpkit demo
 step doctor "$PY" -m ddpkit doctor -n 1
 step bench-collectives "$PY" bench/collectives.py --device cuda

@@ -1,0 +1,219 @@
+"""One replica group of a fault-tolerant ``TrainLoop``:
+``python -m tests.e2e.ft_trainloop ID LIGHTHOUSE OUT KILL_AT DELAY [CHECKPOINT_DIR]``, or
+``ddpkit run --fault-tolerance -n 3 -m tests.e2e.ft_trainloop - - FOLDER KILL_AT DELAY`` (the id and lighthouse
+from the environment, ``OUT`` = ``FOLDER/<id>``, and only ``group-2``'s first start kills itself).
+
+Trains the digits classifier with ``TrainLoop(fault_tolerance=TorchFT(...), global_batch_size=GLOBAL_BATCH)``.
+Every committed step appends a JSON line to ``OUT.jsonl``: the epoch, the step, the dataset indices this
+group trained on in it, the number of replica groups of its quorum, the process id and the time. With
+``KILL_AT`` > 0 the process SIGKILLs itself in the middle of step ``KILL_AT``, or of the first step it
+computes after that (after writing ``{"kill": t}``; with ``$FT_KILL_AFTER`` seconds it first waits that long
+inside the step, so that the other groups wait for it inside the gradients' all-reduce when it dies); with
+``KILL_AT`` < 0 it hangs for 8 s there instead (after writing ``{"hang": t}``).
+With ``$FT_NUM_WORKERS`` the groups' training loader has that many DataLoader workers (the one-process
+reference run none). With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it).
+At the end: the weights in ``OUT.pt``, the history in ``OUT.json``.
+
+With ``$FT_RESTART_MARKER`` (a path), a group started again (under its agent, or with ``$FT_RESTARTED=1``)
+creates that file once it has joined (its manager heartbeats, so the lighthouse waits for it for the next
+quorum). With ``$FT_WAIT_FOR`` (a path), every group waits for that file after committing step
+``$FT_WAIT_AT``, for at most 120 s. Both at one path: a restarted group, whose Python, torch and torchft take
+several seconds to start (more on a loaded machine), is sure to find peers to take the state from, and a
+group that joins late is sure to find the others still training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpkit import Callback, TrainLoop
+from ddpkit.examples.demo import build_model
+from ddpkit.examples.digits import digits_datasets
+from ddpkit.fault_tolerance import TorchFT
+
+GLOBAL_BATCH = 64
+BATCH = 16
+EPOCHS = 3
+
+
+class IndexedLoop(TrainLoop):
+    """Batches ``(images, labels, indices)``; the indices of each attempt at a step are kept in :attr:`pending`
+    (an attempt not committed, or a share computed for a quorum that then changed, is left out of the log)."""
+
+    kill_at = 0
+    hung = False
+    #: With ``$FT_PERTURB_AT``: this group changes its weights on its own at that step (what a bug would do).
+    perturb_at = int(os.environ.get("FT_PERTURB_AT", "0"))
+    #: Where the step log goes: ``OUT.jsonl``, or ``OUT/<REPLICA_GROUP_ID>.jsonl`` with :attr:`folder`.
+    out = ""
+    folder = False
+    #: Under agents that start a group again: only this group's first start kills itself.
+    kill_group: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending: list[tuple[tuple[int, int, int], list[int]]] = []
+        self._file: Any = None
+
+    @property
+    def log(self) -> Any:
+        """The step log, opened (for appending) in the process that trains."""
+        if self._file is None:
+            path = os.path.join(self.out, os.environ["REPLICA_GROUP_ID"]) if self.folder else self.out
+            self._file = open(f"{path}.jsonl", "a")  # noqa: SIM115  # open while the process trains
+        return self._file
+
+    def dies(self) -> bool:
+        """Whether this process is the one to kill itself (or hang) at step ``kill_at``."""
+        if self.kill_group is None:
+            return True
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        return os.environ.get("REPLICA_GROUP_ID") == self.kill_group and first
+
+    def attempt(self) -> tuple[int, int, int]:
+        """Which attempt at which step this is: the step, the steps not committed, the shares dealt again."""
+        return self.global_step, self.state.failed_steps, self.state.dealt_again
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        images, labels, indices = batch
+        if self.kill_at > 0 and self.global_step >= self.kill_at and self.dies():  # a group healing at it: next
+            time.sleep(float(os.environ.get("FT_KILL_AFTER", "0")))  # the others reach the all-reduce meanwhile
+            self.log.write(json.dumps({"kill": time.time(), "pid": os.getpid()}) + "\n")
+            self.log.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kill_at < 0 and self.global_step >= -self.kill_at and not self.hung:  # hangs once, 8 s
+            self.hung = True
+            self.log.write(json.dumps({"hang": time.time(), "pid": os.getpid()}) + "\n")
+            self.log.flush()
+            time.sleep(8.0)
+        if self.perturb_at and self.global_step == self.perturb_at and self.dies():  # a bug's effect, once
+            self.perturb_at = 0
+            with torch.no_grad():
+                next(model.parameters()).add_(0.01)
+        self.pending.append((self.attempt(), indices.tolist()))
+        return nn.functional.cross_entropy(model(images), labels)
+
+
+def restarted() -> bool:
+    """Whether this process is a group started again (by its agent, or by the test with ``$FT_RESTARTED=1``)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("FT_RESTARTED") == "1"
+
+
+class StepLog(Callback):
+    """After each committed step: the indices of its attempt that was committed, one JSON line (and the wait
+    for a restarted group described in the module's docstring)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.marker = os.environ.get("FT_RESTART_MARKER")
+        self.wait_for, self.wait_at = os.environ.get("FT_WAIT_FOR"), int(os.environ.get("FT_WAIT_AT", "-1"))
+
+    def on_epoch_begin(self, train_loop: Any) -> None:
+        if self.marker and restarted():  # joined: the manager heartbeats
+            Path(self.marker).touch()
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        loop: IndexedLoop = train_loop
+        done = loop.global_step - 1  # the step just committed, counted from 0
+        committed = (done, loop.state.failed_steps, loop.state.dealt_again)
+        items = [i for attempt, chunk in loop.pending if attempt == committed for i in chunk]
+        loop.pending.clear()
+        record = {"t": time.time(), "epoch": loop.epoch, "step": done, "items": items, "pid": os.getpid(),
+                  "groups": loop.step_metrics.get("replica_groups")}  # fmt: skip
+        loop.log.write(json.dumps(record) + "\n")
+        loop.log.flush()
+        time.sleep(self.delay)
+        if self.wait_for and done == self.wait_at:
+            deadline = time.monotonic() + 120.0
+            while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
+    """The same loop in every group and in the one-process reference run (same weights, order, optimizer)."""
+    train_set, val_set = digits_datasets(seed=0)
+    images, labels = train_set.tensors
+    indexed = TensorDataset(images, labels, torch.arange(len(labels)))
+    torch.manual_seed(0)
+    model = build_model()
+    workers = int(os.environ.get("FT_NUM_WORKERS", "0")) if fault_tolerance is not None else 0
+    return IndexedLoop(
+        model, DataLoader(indexed, batch_size=BATCH, shuffle=True, num_workers=workers),
+        DataLoader(val_set, batch_size=50),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), global_batch_size=GLOBAL_BATCH,
+        progress=False, fault_tolerance=fault_tolerance,
+    )  # fmt: skip
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    path = Path(f"{out}.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def steps(outs: list[Path]) -> list[dict[str, Any]]:
+    return [r for out in outs for r in records(out) if "step" in r]
+
+
+def check_against_one_process(outs: list[Path], finals: list[Path], count: bool = True) -> None:
+    """Every training item in exactly one committed step per epoch (counted from what each group trained
+    on), and every group's final weights within 1e-5 of one process trained on the same global batches."""
+    reference = build_loop(None)
+    history = reference.fit(EPOCHS)
+    items = len(reference.train_loader.dataset)
+    committed = steps(outs)
+    for epoch in range(EPOCHS if count else 0):
+        counted = Counter(i for r in committed if r["epoch"] == epoch for i in r["items"])
+        assert sorted(counted) == list(range(items)), f"epoch {epoch}: {items - len(counted)} items never used"
+        assert set(counted.values()) == {1}, f"epoch {epoch}: items used twice: {counted.most_common(3)}"
+    expected = reference.model.state_dict()
+    finals_weights = {final.name: torch.load(f"{final}.pt") for final in finals}
+
+    def gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+    between = {f"{a}-{b}": gap(finals_weights[a], finals_weights[b]) for a in finals_weights for b in finals_weights
+               if a < b}  # fmt: skip
+    for final in finals:
+        off = gap(finals_weights[final.name], expected)
+        assert off < 1e-5, (
+            f"{final.name}: {off:.2e} from the run that lost nothing; between the groups: {between}; train losses: "
+            f"{ {f.name: json.loads(Path(f'{f}.json').read_text())['train_loss'] for f in finals} } against "
+            f"{history['train_loss']}; steps per group: { {o.name: len(steps([o])) for o in outs} }"
+        )
+        kept = json.loads(Path(f"{final}.json").read_text())
+        assert kept["train_loss"] == pytest.approx(history["train_loss"], rel=1e-5)
+        assert kept["validation_accuracy"] == pytest.approx(history["validation_accuracy"], abs=1e-9)
+
+
+def main(replica: str, lighthouse: str, out: str, kill_at: int, delay: float, checkpoint_dir: str | None) -> None:
+    if replica == "-":  # under `ddpkit run --fault-tolerance`: the settings from the environment, OUT a folder
+        replica, lighthouse = os.environ["REPLICA_GROUP_ID"], os.environ["TORCHFT_LIGHTHOUSE"]
+        loop = build_loop(TorchFT(lighthouse, replica, timeout=5.0, quorum_timeout=30.0))
+        loop.out, loop.folder, loop.kill_group = out, True, "group-2"
+        out = os.path.join(out, replica)
+    else:
+        loop = build_loop(TorchFT(lighthouse, replica, timeout=5.0, quorum_timeout=30.0))
+        loop.out = out
+    if checkpoint_dir is not None:
+        loop.checkpoint_dir, loop.checkpoint_every = Path(checkpoint_dir), 7
+    loop.kill_at = kill_at
+    history = loop.fit(EPOCHS, callbacks=[StepLog(delay)])
+    torch.save(loop.model.state_dict(), f"{out}.pt")
+    with open(f"{out}.json", "w") as file:
+        json.dump(history, file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), (sys.argv[6:] or [None])[0])

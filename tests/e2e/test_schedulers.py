@@ -1,0 +1,269 @@
+"""Under a real Slurm cluster (two slurmd "nodes" on this machine) and a real Open MPI.
+
+These run when `srun`/`sbatch` (and a controller that answers) or `mpirun` are
+there, and skip otherwise; CI brings the cluster up with `tools/slurm-up.sh` and
+sets DDPKIT_REQUIRE_SCHEDULERS=1, which turns a skip into a failure.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import job_environment
+
+ROOT = Path(__file__).parents[2]
+DDPKIT = [sys.executable, "-m", "ddpkit"]
+
+
+def _run(command: list[str], cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=job_environment())
+
+
+def _submit(script: str, cwd: Path) -> str:
+    """Submit ``script`` (written to ``cwd/job.sh``, its output to ``cwd/job.out``); the job id."""
+    path = cwd / "job.sh"
+    path.write_text(script)
+    submitted = _run(["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={cwd / 'job.out'}", str(path)], cwd)
+    assert submitted.returncode == 0, submitted.stderr
+    return submitted.stdout.strip().split(";")[0]
+
+
+def _wait(job: str, cwd: Path, timeout: float = 150) -> tuple[str, str]:
+    """Wait until ``job`` has left the queue; ``scontrol show job``'s text and the job's output."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _run(["squeue", "-h", "-j", job, "-o", "%T"], cwd).stdout.strip():
+        time.sleep(0.5)
+    return _run(["scontrol", "show", "job", job], cwd).stdout, (cwd / "job.out").read_text()
+
+
+# --- Slurm ----------------------------------------------------------------------------------------
+
+
+def _guide_job_script() -> str:
+    guide = (ROOT / "docs" / "clusters.md").read_text()
+    found = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", guide, re.DOTALL)
+    assert found is not None, "the clusters guide has no sbatch job script"
+    return found.group(1)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(240)
+def test_the_clusters_guides_job_script_trains_on_two_nodes(tmp_path: Path) -> None:
+    script = _guide_job_script()
+    assert "--ntasks-per-node=4" in script, "adapted below to this 2-core test cluster"
+    script = script.replace("--ntasks-per-node=4", "--ntasks-per-node=1")
+    script = "\n".join(line for line in script.splitlines() if "--gpus-per-node" not in line) + "\n"
+    shown, output = _wait(_submit(script, tmp_path), tmp_path)
+    assert "JobState=COMPLETED" in shown, shown + output
+    assert re.search(r"^2 ranks, 10 epochs: validation accuracy 0\.9\d+$", output, re.M), output
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(180)
+def test_srun_on_two_nodes_runs_a_plain_torch_script_and_a_train_loop_in_each_task(tmp_path: Path) -> None:
+    script = _run(["srun", "-N", "2", "-n", "2", *DDPKIT, "run", str(ROOT / "examples" / "train.py")], tmp_path)
+    assert script.returncode == 0, script.stderr
+    assert re.fullmatch(r"2 ranks, 3 epochs: validation accuracy 0\.9\d+\n", script.stdout), script.stdout
+    loop = _run(["srun", "-N", "2", "-n", "2", sys.executable, str(ROOT / "examples" / "train_loop.py")], tmp_path)
+    assert loop.returncode == 0, loop.stderr
+    # TrainLoop.fit_distributed under srun: each task is one rank, nothing spawned; both tasks print the result.
+    assert loop.stdout.count("validation accuracy after 5 epochs: 0.9") == 2, loop.stdout
+    assert loop.stdout.count("epoch  5/5  train loss") == 1, "rank 0 alone prints its epoch lines"
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_doctor_runs_as_a_slurm_job(tmp_path: Path) -> None:
+    result = _run(["srun", "-N", "2", "-n", "2", *DDPKIT, "doctor", "--plot", str(tmp_path / "bw.png")], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "ddpkit doctor: 2 ranks, backend gloo" in result.stdout
+    assert "connectivity: ok" in result.stdout
+    assert f"bandwidth plot: {tmp_path / 'bw.png'}" in result.stdout
+    assert (tmp_path / "bw.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_a_failing_rank_under_kill_on_bad_exit_ends_the_job_in_seconds_naming_it(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            import time
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            if dist.get_rank() == 1:
+                raise ValueError("bad batch on rank 1")
+            dist.barrier()
+            time.sleep(600)
+            """
+        )
+    )
+    started = time.monotonic()
+    result = _run(["srun", "-N", "2", "-n", "2", "--kill-on-bad-exit=1", *DDPKIT, "run", str(script)], tmp_path)
+    assert time.monotonic() - started < 30
+    assert result.returncode != 0
+    assert "[rank1]: ValueError: bad batch on rank 1" in result.stderr
+    # srun names task 1's end: its exit status 1, or, when rank 0's barrier failed on the connection rank 1
+    # closed while rank 1 was still tearing down (seen under load), the SIGTERM of --kill-on-bad-exit.
+    assert re.search(r"task 1: (Exited with exit code 1|Terminated)", result.stderr), result.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_a_node_list_that_does_not_resolve_fails_at_once_naming_the_host(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = _run(
+        ["srun", "-N", "2", "-n", "2", "env", "SLURM_JOB_NODELIST=nosuchnode[001-002].invalid", *DDPKIT, "run",
+         str(ROOT / "examples" / "train.py")],
+        tmp_path,
+    )  # fmt: skip
+    assert time.monotonic() - started < 30
+    assert result.returncode != 0
+    assert (
+        "the master address 'nosuchnode001.invalid' (the first host of "
+        "SLURM_JOB_NODELIST='nosuchnode[001-002].invalid') "
+        "does not resolve" in result.stderr
+    )
+
+
+_PREEMPTIBLE = textwrap.dedent(
+    """\
+    import os, sys, time
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+    import ddpkit
+    from ddpkit.examples.digits import digits_datasets
+
+    out = sys.argv[1]
+
+    class Steps(ddpkit.Callback):
+        def on_batch_end(self, loop):
+            if ddpkit.get_rank() == 0:
+                with open(os.path.join(out, "steps.log"), "a") as handle:
+                    handle.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {loop.global_step}\\n")
+            time.sleep(0.05)
+
+    ddpkit.init_dist_connection()
+    train, val = digits_datasets()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
+    loop = ddpkit.TrainLoop(
+        model, DataLoader(train, batch_size=32, shuffle=True), DataLoader(val, batch_size=256),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=5, progress=False, requeue=sys.argv[2] == "1",
+    )
+    loop.fit(2, callbacks=[Steps()])
+    if ddpkit.get_rank() == 0:
+        torch.save(model.state_dict(), os.path.join(out, "weights.pt"))
+    """
+)
+
+
+def _preemptible_job(out: Path, requeue: bool = True) -> str:
+    (out / "train.py").write_text(_PREEMPTIBLE)
+    return textwrap.dedent(
+        f"""\
+        #!/bin/bash
+        #SBATCH --nodes=2
+        #SBATCH --ntasks-per-node=1
+        #SBATCH --requeue
+        #SBATCH --open-mode=append
+        srun --kill-on-bad-exit=1 {sys.executable} {out / "train.py"} {out} {int(requeue)}
+        """
+    )
+
+
+def _steps(out: Path) -> list[tuple[int, int]]:
+    path = out / "steps.log"
+    return [(int(a), int(s)) for a, s in map(str.split, path.read_text().splitlines())] if path.exists() else []
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_sigusr1_checkpoints_at_the_next_step_requeues_and_the_job_ends_bit_identical(tmp_path: Path) -> None:
+    """`scancel --signal=USR1` at step 12 (as `#SBATCH --signal=USR1@...` before the walltime) with requeue=True."""
+    plain, signalled = tmp_path / "plain", tmp_path / "signalled"
+    plain.mkdir(), signalled.mkdir()
+    job = _submit(_preemptible_job(plain), plain)
+    shown, output = _wait(job, plain)
+    assert "JobState=COMPLETED" in shown, shown + output
+
+    job = _submit(_preemptible_job(signalled), signalled)
+    deadline = time.monotonic() + 120
+    while len(_steps(signalled)) < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _run(["scancel", "--signal=USR1", job], signalled).returncode == 0
+    # SLURM holds a requeued job for 120 s (its BeginTime) before it may start again: start it sooner, but
+    # not within the second of the requeue, whose job credential slurmd has revoked (whole seconds).
+    pending = re.compile(r"JobState=PENDING.*Restarts=1", re.S)
+    while time.monotonic() < deadline and not pending.search(_run(["scontrol", "show", "job", job], signalled).stdout):
+        time.sleep(0.2)
+    time.sleep(2)
+    _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], signalled)
+    shown, output = _wait(job, signalled, timeout=120)
+    assert "JobState=COMPLETED" in shown, shown + output
+    assert "Restarts=1" in shown, "requeued once"
+
+    steps = _steps(signalled)
+    first = [step for attempt, step in steps if attempt == 0]
+    second = [step for attempt, step in steps if attempt == 1]
+    stop = max(first)
+    assert f"ddpkit: SIGUSR1 at step {stop}: checkpoint saved in {signalled / 'ckpt'}; requeueing job {job}" in output
+    assert second == list(range(stop + 1, 47)), "resumed right after the step that saved, 23 steps per epoch"
+    final = torch.load(plain / "weights.pt", weights_only=True)
+    for name, tensor in torch.load(signalled / "weights.pt", weights_only=True).items():
+        assert torch.equal(tensor, final[name]), f"{name} differs from the uninterrupted job's"
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_scancel_saves_at_the_next_step_and_a_new_submission_resumes_there(tmp_path: Path) -> None:
+    """SIGTERM (`scancel`, as preemption sends it) without requeue: the job stops with its state saved;
+    submitting it again goes on from the step after the signal and ends as an uninterrupted job."""
+    plain, cancelled = tmp_path / "plain", tmp_path / "cancelled"
+    plain.mkdir(), cancelled.mkdir()
+    shown, output = _wait(_submit(_preemptible_job(plain, requeue=False), plain), plain)
+    assert "JobState=COMPLETED" in shown, shown + output
+
+    job = _submit(_preemptible_job(cancelled, requeue=False), cancelled)
+    deadline = time.monotonic() + 120
+    while len(_steps(cancelled)) < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _run(["scancel", job], cancelled).returncode == 0
+    shown, output = _wait(job, cancelled)
+    assert "JobState=CANCELLED" in shown, shown
+    stop = max(step for _, step in _steps(cancelled))
+    assert f"ddpkit: SIGTERM at step {stop}: checkpoint saved in {cancelled / 'ckpt'}; requeue=False" in output
+    assert not (cancelled / "weights.pt").exists(), "the code after fit did not run"
+
+    shown, output = _wait(_submit(_preemptible_job(cancelled, requeue=False), cancelled), cancelled)
+    assert "JobState=COMPLETED" in shown, shown + output
+    assert [step for _, step in _steps(cancelled)] == list(range(1, 47)), "every step once, in order"
+    final = torch.load(plain / "weights.pt", weights_only=True)
+    for name, tensor in torch.load(cancelled / "weights.pt", weights_only=True).items():
+        assert torch.equal(tensor, final[name]), f"{name} differs from the uninterrupted job's"
+
+
+# --- Open MPI -------------------------------------------------------------------------------------
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_mpirun_runs_the_demo_and_a_script_under_ddpkit_run(tmp_path: Path) -> None:
+    mpirun = ["mpirun", "--oversubscribe", "-n", "2"]
+    demo = _run([*mpirun, *DDPKIT, "demo", "--epochs", "2"], tmp_path)
+    assert demo.returncode == 0, demo.stderr
+    assert re.search(r"^ddpkit demo: 2 processes \(gloo\), 2 epochs, .*validation accuracy 0\.9\d+", demo.stdout, re.M)
+    script = _run([*mpirun, *DDPKIT, "run", str(ROOT / "examples" / "train.py"), "--epochs", "2"], tmp_path)
+    assert script.returncode == 0, script.stderr
+    assert re.fullmatch(r"2 ranks, 2 epochs: validation accuracy 0\.9\d+\n", script.stdout), script.stdout

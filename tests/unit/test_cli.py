@@ -1,0 +1,145 @@
+"""The ddpkit command: env (in process), argument errors, and ddpkit run on real scripts (e2e).
+
+Here, the tests that need no process; the others are in tests/e2e/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ddpkit.cli import main
+
+# A plain torchrun-style script, as a user would write it: no ddpkit inside.
+SCRIPT = textwrap.dedent(
+    """\
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+
+    out = sys.argv[1]
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    with open(os.path.join(out, f"{attempt}-{rank}-{os.getpid()}.json"), "w") as handle:
+        json.dump({"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
+                   "local_rank": int(os.environ["LOCAL_RANK"]), "sum": total.item(), "argv": sys.argv[2:],
+                   "name": __name__}, handle)
+    fail = sys.argv[2]
+    if fail == "hang":
+        import time
+        time.sleep(300)
+    if fail == "always" and rank == 1:
+        raise ValueError(f"corrupt shard on rank {rank}")
+    if fail == "first-attempt" and rank == 1 and attempt == 0:
+        sys.exit(3)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def ddpkit(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m ddpkit ARGS`` in its own session; on timeout kill the whole session, workers included."""
+    command = [sys.executable, "-m", "ddpkit", *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:  # fmt: skip
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    (tmp_path / "out").mkdir()
+    return path
+
+
+# --- in process ------------------------------------------------------------------------------
+
+
+def test_env_prints_the_detected_environment_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["environment"], data["world_size"], data["global_rank"]) == ("local", 1, 0)
+    assert "gloo" in data["distributed_backends"]
+
+
+def test_env_reads_a_slurm_job(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    for name, value in {"SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                        "SLURM_JOB_NODELIST": "cn[07-08]", "SLURM_JOB_ID": "991234"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    assert main(["env"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["environment"], data["master_addr"], data["master_port"]) == ("slurm", "cn07", 16234)
+    assert (data["world_size"], data["global_rank"], data["local_rank"], data["node_rank"]) == (4, 3, 1, 1)
+
+
+def test_env_reports_bad_variables_and_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DDPKIT_CLUSTER_ENV", "nowhere")
+    assert main(["env"]) == 1
+    assert "DDPKIT_CLUSTER_ENV='nowhere' is not an environment" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["demo", "--epochs", "many"], ["doctor", "--peer-timeout", "soon"]])
+def test_bad_command_lines_exit_with_usage(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "-n", "0", "x.py"], "nprocs=0 must be an integer >= 1"),
+        (["run", "--nnodes", "2", "x.py"], "needs rdzv_endpoint"),
+        (["run"], "SCRIPT is required (or --doctor)"),
+        (["doctor", "-n", "0"], "nprocs=0 must be an integer >= 1"),
+        (["demo", "--epochs", "0"], "epochs=0"),
+        (["demo", "--nprocs", "0"], "nprocs=0 must be an integer >= 1"),
+        (["demo", "--task", "retrieval", "--batch-size", "30"], "must be a multiple of 4"),
+        (["demo", "--task", "retrieval", "--batch-size", "48"], "classes_per_batch=12 in [2, 10]"),
+    ],
+)
+def test_bad_values_exit_2_with_the_reason(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "-n", "2", "missing.py"], "ddpkit run: no such script: missing.py (relative to {cwd})\n"),
+        (["run", "-n", "2", "-m", "no_such_module"], "ddpkit run: no module named 'no_such_module' (looked on"),
+    ],
+)
+def test_a_missing_script_or_module_is_one_line_before_any_worker_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(cwd=tmp_path)), err
+    assert err.count("\n") == 1
+    assert "Traceback" not in err

@@ -1,0 +1,137 @@
+"""The README's quick start is what CI runs; every Python and shell block of the README and of the guides runs as
+written; every file they link to exists; the CLI page names every command and variable.
+
+Here, the tests that need no process; the others are in tests/e2e/test_docs.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).parents[2]
+
+
+def quick_start_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
+    assert block is not None, "the quick start has no bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_quick_start_is_two_commands_and_ci_runs_both_verbatim() -> None:
+    commands = quick_start_commands()
+    assert len(commands) == 2
+    assert "ddpkit demo" in commands[0]
+    assert "pytest" in commands[1]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in commands:
+        assert command in ci, f"CI does not run the README command {command!r}"
+
+
+# --- every Python block runs as written -------------------------------------------------------
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+#: The README and the guides (the pages that include ARCHITECTURE, CONTRIBUTING and CHANGELOG hold no block).
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks() -> list[str]:
+    return [block for page in PAGES for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)]
+
+
+def _links(page: Path) -> list[str]:
+    """The relative link targets of ``page`` (anchors cut; the docs build checks those)."""
+    found = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+    return [link.split("#")[0] for link in found if not link.startswith(("http://", "https://", "#", "mailto:"))]
+
+
+def test_the_pages_link_every_example_file_and_every_linked_file_exists() -> None:
+    linked = {(page.parent / link).resolve() for page in PAGES for link in _links(page)}
+    assert {path.resolve() for path in EXAMPLES} <= linked, "an example file that no page links to"
+    assert sorted(str(path) for path in linked if not path.exists()) == []
+    assert len(python_blocks()) >= 7
+    for path in EXAMPLES:  # a file a page shows is shown whole, as it is
+        text = path.read_text()
+        shown = [block for block in python_blocks() if block.splitlines()[0] == text.splitlines()[0]]
+        assert shown in ([], [text], [text, text]), f"a page's copy of examples/{path.name} differs from the file"
+
+
+# --- the CLI page -----------------------------------------------------------------------------------
+
+
+def test_the_cli_page_names_every_command_and_every_ddpkit_variable() -> None:
+    from ddpkit.cli import build_parser
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    commands = next(a for a in build_parser()._actions if a.choices and isinstance(a.choices, dict)).choices
+    assert [name for name in commands if f"`ddpkit {name}" not in page] == []
+    used = set(re.findall(r"DDPKIT_[A-Z_]+", "".join(p.read_text() for p in (ROOT / "src").rglob("*.py"))))
+    assert sorted(name for name in used if f"`{name}`" not in page) == []
+
+
+# --- every shell block runs -------------------------------------------------------------------------
+
+
+def shell_blocks() -> dict[tuple[str, int], str]:
+    """Every ``bash`` block of the README and the guides, by (page name, index on the page)."""
+    return {
+        (page.name, index): block
+        for page in PAGES
+        for index, block in enumerate(re.findall(r"```bash\n(.*?)```", page.read_text(), re.DOTALL))
+    }
+
+
+#: How the blocks that this test does not run itself run: the quick start is CI's own script, and the sbatch
+#: script is submitted to the two-node Slurm cluster by tests/e2e/test_schedulers.py.
+ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("clusters.md", 1)}
+
+#: What a block needs to run on one 2-core machine, by (page, index): ``nodes`` (2: every line that names
+#: ``--nnodes 2`` is started twice at once, one "node" each, on loopback) and the text it changes, each with
+#: its reason; ``expect`` is what the output must show.
+RUNS: dict[tuple[str, int], dict[str, Any]] = {
+    ("getting-started.md", 1): {"expect": r"validation accuracy after 5 epochs: 0\.9"},
+    ("launching.md", 0): {"expect": r"2 ranks, 3 epochs: validation accuracy 0\.9(.|\n)*\"world_size\""},
+    ("elastic.md", 0): {
+        # a free port, the test's own folder, and 2 of the 20 epochs (which leave time to stop and add a node)
+        "replace": {"29400": "{port}", "/tmp/elastic": "{home}/elastic", "--epochs 20": "--epochs 2"},
+        "expect": r"\"accuracy\": 0\.9",
+    },
+    # every group prints the same accuracy
+    ("fault-tolerance.md", 0): {"expect": r"\n(validation accuracy 0\.[89]\d\d)\n\1\n\1\n"},
+    ("clusters.md", 0): {
+        "nodes": 2,  # node001 is the first node's host name; the ranks of 4 GPUs a node are one CPU rank here
+        "replace": {"node001:29400": "127.0.0.1:{port}", "-n 8": "-n 1", "train.py": "examples/train.py"},
+        "secret": True,
+        "expect": r"2 ranks, 3 epochs: validation accuracy 0\.9",
+    },
+    ("security.md", 0): {
+        "nodes": 2,
+        "replace": {
+            "node001:29400": "127.0.0.1:{port}",
+            "-n 8": "-n 1",
+            "train.py": "examples/train.py",
+            # the user's own script: this one checks that the line hands it the secret
+            "python launch_my_job.py": """python -c 'import os; assert len(os.environ["DDPKIT_JOB_SECRET"]) == 64'""",
+        },
+        "expect": r"2 ranks, 3 epochs: validation accuracy 0\.9",
+    },
+}
+
+
+def test_every_shell_block_of_the_readme_and_the_guides_is_run_by_a_test() -> None:
+    blocks = shell_blocks()
+    assert sorted(set(blocks) - ELSEWHERE - set(RUNS)) == [], "a new shell block: add it to RUNS (or ELSEWHERE)"
+    assert sorted((ELSEWHERE | set(RUNS)) - set(blocks)) == [], "a block that moved: update RUNS and ELSEWHERE"
+    for key in ("README.md", 0), ("getting-started.md", 0):
+        assert blocks[key].splitlines() == quick_start_commands()  # and CI runs them: see the test above
+    from tests.e2e.test_schedulers import _guide_job_script
+
+    assert _guide_job_script() == blocks["clusters.md", 1]
+    for key, run in RUNS.items():
+        for old in run.get("replace", {}):
+            assert old in blocks[key], f"{key}: {old!r} is no longer in the block"

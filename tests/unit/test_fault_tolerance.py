@@ -1,0 +1,337 @@
+"""Per-step fault tolerance on torchft: replica groups that lose one and go on in the same processes.
+
+Here, the tests that need no process; the others are in tests/ranks/test_fault_tolerance.py and
+tests/e2e/test_fault_tolerance.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddpkit.errors import DDPKitError, RendezvousFailedError
+from ddpkit.fault_tolerance import TorchFT, serve_lighthouse
+from ddpkit.fault_tolerance._torchft import torchft_module, url_host
+from ddpkit.training._replica_groups import _honoured
+from tests.builders import digits_loop
+
+torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+
+# The survivors' steps after a kill must outlast a restarted group's start (Python, torch and torchft: 7-9 s on
+# the 2-core machine, 20 s and more on a loaded CI machine), else they finish before it is back: 260 steps of
+# about 0.08 s; the groups that outlive a kill wait for the restarted one a little after it (FT_WAIT_AT, see
+# tests/e2e/ft_replica.py and _survivors_wait_for_the_restart).
+
+
+def test_a_missing_torchft_is_named_with_the_install_command() -> None:
+    with pytest.raises(ImportError, match=r"pip install 'ddpkit\[ft\]'"):
+        torchft_module("torchft_that_does_not_exist")
+
+
+def test_lighthouse_addresses_are_read_with_ipv6_brackets() -> None:
+    assert [url_host(a) for a in ("http://[::1]:29510", "http://127.0.0.1:1/x", "node1:29510")] == [
+        "::1", "127.0.0.1", "node1"
+    ]  # fmt: skip
+
+
+def test_a_lighthouse_on_an_address_that_is_not_this_machines_names_the_addresses_it_has() -> None:
+    with pytest.raises(RendezvousFailedError, match=r"192\.0\.2\.1.*this machine's addresses are"):
+        serve_lighthouse("192.0.2.1")  # TEST-NET-1: never this machine's
+
+
+def _digits_loop(**kwargs: Any) -> Any:
+    """The demo's model (unseeded) on the digits in batches of 16, in order, or on ``loader``; no validation."""
+    from ddpkit.examples.demo import build_model
+
+    return digits_loop(16, model=build_model(), shuffle=False, validation_batch_size=None, **kwargs)
+
+
+def _callback_events(fault_tolerance: Any, checkpoint_dir: Path) -> list[tuple[str, int]]:
+    """(event, epoch) of every callback call but on_batch_end, over fit(1) and then fit(2) resumed from the
+    checkpoint, of a loop on a tenth of the digits."""
+    from torch.utils.data import DataLoader, Subset
+
+    from ddpkit import Callback
+    from ddpkit.examples.digits import digits_datasets
+
+    events: list[tuple[str, int]] = []
+
+    class Events(Callback):
+        def on_train_begin(self, train_loop: Any) -> None:
+            events.append(("train_begin", train_loop.epoch))
+
+        def on_epoch_begin(self, train_loop: Any) -> None:
+            events.append(("epoch_begin", train_loop.epoch))
+
+        def on_epoch_end(self, train_loop: Any) -> None:
+            events.append(("epoch_end", train_loop.epoch))
+
+        def on_train_end(self, train_loop: Any) -> None:
+            events.append(("train_end", train_loop.epoch))
+
+    train_set, _ = digits_datasets(seed=0)
+    for epochs in (1, 2):
+        loader = DataLoader(Subset(train_set, range(128)), batch_size=16)
+        _digits_loop(loader=loader, fault_tolerance=fault_tolerance, global_batch_size=32,
+                     checkpoint_dir=str(checkpoint_dir)).fit(epochs, callbacks=[Events()])  # fmt: skip
+    return events
+
+
+def _stopped_mid_epoch(fault_tolerance: Any) -> tuple[int, list[float]]:
+    """(steps taken, train losses) of fit(3) on a tenth of the digits (4 steps an epoch) whose callback sets
+    should_stop after step 2."""
+    from torch.utils.data import DataLoader, Subset
+
+    from ddpkit import Callback
+    from ddpkit.examples.digits import digits_datasets
+
+    class StopAtTwo(Callback):
+        def on_batch_end(self, train_loop: Any) -> None:
+            train_loop.should_stop = train_loop.should_stop or train_loop.global_step == 2
+
+    train_set, _ = digits_datasets(seed=0)
+    loader = DataLoader(Subset(train_set, range(128)), batch_size=16)
+    loop = _digits_loop(loader=loader, fault_tolerance=fault_tolerance, global_batch_size=32)
+    history = loop.fit(3, callbacks=[StopAtTwo()])
+    return loop.global_step, history["train_loss"]
+
+
+def test_a_fault_tolerant_trainloop_calls_the_callbacks_when_the_ddp_loop_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once per epoch trained, on_epoch_begin before its first step (also when a checkpoint resumes it), as
+    the DDP loop; should_stop set in the middle of an epoch ends fit after that epoch, as in the DDP loop; one
+    group alone in its quorum, in this process."""
+    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+
+    monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
+    plain = _callback_events(None, tmp_path / "plain")
+    plain_stop = _stopped_mid_epoch(None)
+    with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:
+        tolerant = _callback_events(TorchFT(lighthouse.address, "r0", timeout=10), tmp_path / "ft")
+        tolerant_stop = _stopped_mid_epoch(TorchFT(lighthouse.address, "r0", timeout=10))
+    assert plain == [("train_begin", 0), ("epoch_begin", 0), ("epoch_end", 0), ("train_end", 1),
+                     ("train_begin", 1), ("epoch_begin", 1), ("epoch_end", 1), ("train_end", 2)]  # fmt: skip
+    assert tolerant == plain
+    assert plain_stop[0] == 4, "the DDP loop ends the epoch in which it was stopped"
+    assert len(plain_stop[1]) == 1
+    assert tolerant_stop[0] == plain_stop[0]
+    assert tolerant_stop[1] == pytest.approx(plain_stop[1], rel=1e-6)
+
+
+def test_a_fault_tolerant_trainloop_shows_its_progress_and_says_its_epochs_in_the_writing_group(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """progress=True under fault tolerance: a bar of the epoch's steps and the epoch's line, named by the group."""
+    from torch.utils.data import DataLoader, Subset
+
+    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+    from ddpkit.examples.digits import digits_datasets
+
+    monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
+    train_set, _ = digits_datasets(seed=0)
+    loader = DataLoader(Subset(train_set, range(128)), batch_size=16)
+    with serve_lighthouse("127.0.0.1") as lighthouse:
+        settings = TorchFT(lighthouse.address, "r0", timeout=10)
+        _digits_loop(loader=loader, fault_tolerance=settings, global_batch_size=32, progress=True).fit(1)
+    out, err = capsys.readouterr()
+    assert "[r0] epoch  1/1  train loss" in out
+    assert "[r0] epoch 1/1" in err, err[-500:]
+    assert "/4 [" in err, "a bar of the epoch's 4 steps"
+
+
+def test_fault_tolerance_settings_come_from_torchfts_variables_and_missing_ones_are_named() -> None:
+    torchfts = {"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9", "REPLICA_GROUP_ID": "g1"}
+    settings = TorchFT(min_replicas=2).resolved({"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9", "REPLICA_GROUP_ID": "g1"})
+    assert (settings.lighthouse, settings.replica_id, settings.min_replicas) == ("http://127.0.0.1:9", "g1", 2)
+    assert TorchFT("http://h:1", "mine").resolved({"REPLICA_GROUP_ID": "other"}).replica_id == "mine"
+    with pytest.raises(ValueError, match=r"replica_id \(or \$REPLICA_GROUP_ID\)") as missing:
+        TorchFT().resolved({"TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9"})
+    assert "lighthouse" not in str(missing.value).split("needs")[1].split(":")[0]
+    with pytest.raises(ValueError, match=r"lighthouse \(or \$TORCHFT_LIGHTHOUSE\) and replica_id"):
+        TorchFT().resolved({})
+    assert TorchFT().resolved({**torchfts, "DDPKIT_REPLICA_GROUPS": "3"}).replica_groups == 3
+    assert TorchFT(replica_groups=2).resolved({**torchfts, "DDPKIT_REPLICA_GROUPS": "3"}).replica_groups == 2
+    assert TorchFT().resolved(torchfts).replica_groups is None
+    with pytest.raises(ValueError, match=r"\$DDPKIT_REPLICA_GROUPS='three' must be a whole number"):
+        TorchFT().resolved({**torchfts, "DDPKIT_REPLICA_GROUPS": "three"})
+    for bad in ({"min_replicas": 0}, {"min_replicas": True}, {"timeout": 0}, {"quorum_timeout": float("inf")},
+                {"replica_groups": 0}):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TorchFT(**bad)  # type: ignore[arg-type]
+
+
+def test_the_jobs_first_step_waits_for_all_its_replica_groups_then_starts_without_those_that_never_come(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With replica_groups=2 the first group's first quorum waits (here 2 s) for the second, so that neither
+    trains a step alone that the other would do again; after quorum_timeout it starts with those that came."""
+    import threading
+
+    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+    from ddpkit.fault_tolerance import ReplicaGroup
+
+    monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
+    models = {name: torch.nn.Linear(2, 1) for name in ("g0", "g1", "alone")}
+    seen: dict[str, tuple[float, tuple[str, ...], int]] = {}
+
+    def join(lighthouse: str, name: str, quorum_timeout: float = 30.0) -> ReplicaGroup:
+        model = models[name]
+        return ReplicaGroup(lighthouse, name, model.state_dict, model.load_state_dict, timeout=10,
+                            quorum_timeout=quorum_timeout, replica_groups=2)  # fmt: skip
+
+    def first_step(group: ReplicaGroup, name: str) -> None:
+        group.start_step()
+        seen[name] = (time.monotonic(), group.members, group.step)
+        group.commit()
+
+    with serve_lighthouse("127.0.0.1") as lighthouse:
+        first = join(lighthouse.address, "g0")
+        waiting = threading.Thread(target=first_step, args=(first, "g0"))
+        waiting.start()
+        time.sleep(2.0)
+        assert "g0" not in seen, f"the first group started alone: {seen}"
+        second = join(lighthouse.address, "g1")
+        joined = time.monotonic()
+        first_step(second, "g1")
+        waiting.join(30)
+        for group in (first, second):
+            group.close()
+    assert seen["g0"][1] == seen["g1"][1] == ("g0", "g1")
+    assert seen["g0"][0] > joined, "the first group's first step did not wait for the second"
+    assert seen["g0"][2] == seen["g1"][2] == 0
+    with serve_lighthouse("127.0.0.1") as lighthouse, caplog.at_level("WARNING", "ddpkit.fault_tolerance"):
+        alone = join(lighthouse.address, "alone", quorum_timeout=1.0)
+        started = time.monotonic()
+        first_step(alone, "alone")
+        alone.close()
+    assert seen["alone"][1] == ("alone",)
+    assert seen["alone"][0] - started >= 1.0, "it did not wait for the second group"
+    assert "the job starts with 1 of its 2 replica groups (alone): the others did not join within 1 s" in caplog.text
+
+
+def test_a_trainloop_with_fault_tolerance_needs_a_global_batch_and_its_own_process_per_group() -> None:
+    with pytest.raises(ValueError, match="fault_tolerance needs global_batch_size"):
+        _digits_loop(fault_tolerance="torchft")
+    with pytest.raises(ValueError, match=r"fault_tolerance='ft': use None, 'torchft'"):
+        _digits_loop(fault_tolerance="ft", global_batch_size=64)
+    loop = _digits_loop(fault_tolerance="torchft", global_batch_size=64)
+    assert loop.fault_tolerance == TorchFT()
+
+
+def test_a_fault_tolerant_trainloop_refuses_a_batch_sampler_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.data import DataLoader
+
+    from ddpkit.examples.digits import digits_datasets
+
+    class Pairs:  # a batch sampler of the user's own: batches of 2 items, then 3
+        def __iter__(self) -> Any:
+            return iter([[0, 1], [2, 3, 4]])
+
+        def __len__(self) -> int:
+            return 2
+
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:9")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "r0")
+    train_set, _ = digits_datasets(seed=0)
+    batches = Pairs()
+    loop = _digits_loop(loader=DataLoader(train_set, batch_sampler=batches), fault_tolerance="torchft",
+                        global_batch_size=64)  # fmt: skip
+    with pytest.raises(ValueError, match="has a batch sampler: build it with batch_size="):
+        loop.fit(1)
+
+
+# --- TrainLoop(fault_tolerance=...): the step plan survives a change of quorum ----------------------------
+
+
+def _survivors_wait_for_the_restart(tmp_path: Path) -> dict[str, str]:
+    """The environment in which the groups that outlive step 30's kill wait, after step 34, until the restarted
+    group has joined (tests/e2e/ft_trainloop.py): however slowly it starts, it finds peers to heal from."""
+    marker = str(tmp_path / "restarted")
+    return {"FT_RESTART_MARKER": marker, "FT_WAIT_FOR": marker, "FT_WAIT_AT": "34"}
+
+
+def test_ddpkit_run_fault_tolerance_is_one_machines_and_says_how_to_go_further(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ddpkit.cli import main
+
+    assert main(["run", "--fault-tolerance", "--nnodes", "2", "-n", "2", "tests/e2e/ft_trainloop.py"]) == 2
+    said = capsys.readouterr().err
+    assert "replica groups of one machine (not --nnodes 2" in said, said
+    assert "TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID" in said, said
+
+
+def test_the_log_names_who_left_who_joined_and_who_came_back_as_a_new_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from ddpkit.training._fault_tolerant import FaultTolerantSteps
+
+    fit = SimpleNamespace(settings=TorchFT(replica_id="group-0"), _processes=(), _members=())
+    steps = [("group-0:a", "group-1:b", "group-2:c"), ("group-0:a", "group-1:d", "group-2:c"),
+             ("group-0:a", "group-2:c"), ("group-0:a", "group-2:c", "group-3:e")]  # fmt: skip
+    with caplog.at_level("WARNING", logger="ddpkit.training._fault_tolerant"):
+        for step, processes in enumerate(steps):
+            FaultTolerantSteps._note_members(fit, processes, step)  # type: ignore[arg-type]
+    assert [record.getMessage() for record in caplog.records] == [
+        "replica group group-0 at step 2: group-1 came back as a new process (it had died); the quorum is now "
+        "group-0, group-1, group-2",
+        "replica group group-0 at step 3: group-1 left the quorum (lost, hung, or late for the step's quorum); "
+        "the quorum is now group-0, group-2",
+        "replica group group-0 at step 4: group-3 joined; the quorum is now group-0, group-2, group-3",
+    ]
+    assert fit._members == ("group-0", "group-2", "group-3")
+
+
+def test_torchfts_tracebacks_go_to_debug_and_a_failed_step_keeps_its_cause_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from ddpkit.fault_tolerance._replica import _first_line, _QuietTorchft
+
+    try:
+        raise RuntimeError("[/w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:11677: reset\nat ...")
+    except RuntimeError as exc:
+        error, failed = exc, logging.LogRecord("torchft.manager", logging.ERROR, "m.py", 1, "got exception", None,
+                                               sys.exc_info())  # fmt: skip
+    assert _first_line(error) == "RuntimeError: Read error [127.0.0.1]:11677: reset"
+    with caplog.at_level(logging.DEBUG, logger="ddpkit.fault_tolerance._replica"):
+        assert not _QuietTorchft(nccl=True).filter(failed), "torchft's traceback is not printed at ERROR"
+    assert [(r.levelno, r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+        (logging.DEBUG, "torchft: got exception", True)
+    ]
+    try:
+        raise DDPKitError("rank 2 (replica group 'stranger' at 127.0.0.1:4) holds no job secret")
+    except DDPKitError:
+        refused = logging.LogRecord("torchft.manager", logging.ERROR, "m.py", 1, "got exception in pg configure",
+                                    None, sys.exc_info())  # fmt: skip
+    assert _QuietTorchft(nccl=True).filter(refused), "ddpkit's own refusal names who failed the proof"
+    assert (refused.exc_info, refused.getMessage()) == (None, "got exception in pg configure")
+    flight = logging.LogRecord("torchft.manager", logging.WARNING, "m.py", 1, "Unable to reset NCCL flight "
+                               "recorder", None, None)  # fmt: skip
+    assert (_QuietTorchft(nccl=False).filter(flight), _QuietTorchft(nccl=True).filter(flight)) == (False, True)
+
+
+def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() -> None:
+    loop = _digits_loop(fault_tolerance="torchft", global_batch_size=64)
+    with pytest.raises(ValueError, match=r"cannot honour nnodes='1:2' \(one machine only\)\. On several machines"):
+        loop.fit_distributed(1, nnodes="1:2")
+    with pytest.raises(ValueError, match=r"cannot honour rdzv_conf=") as refused:
+        loop.fit_distributed(1, backend="nccl", start_method="fork", rdzv_conf={"x": 1}, timeout=0)
+    for named in ("backend='nccl'", "start_method='fork'", "rdzv_conf={'x': 1}", "timeout=0 (a fault-tolerant step"):
+        assert named in str(refused.value)
+
+
+def test_fit_distributed_with_fault_tolerance_honours_gloo_and_the_timeout() -> None:
+    arguments = {"grad_accumulation": 1, "nnodes": 1, "rdzv_endpoint": None, "rdzv_conf": None, "start_method": "spawn"}
+    settings = _honoured(TorchFT(min_replicas=2), backend="gloo", timeout=12.5, **arguments)
+    assert settings == TorchFT(min_replicas=2, timeout=12.5), "the step's deadline, as DDP's hang timeout"
+    assert _honoured(TorchFT(timeout=7), backend=None, timeout=None, **arguments) == TorchFT(timeout=7)

@@ -1,0 +1,30 @@
+"""sync_ddp / sync_ddp_if_available, as in Lightning: every op, exact values, mismatches raise on every rank.
+
+Here, the tests that need no process; the others are in tests/ranks/test_reduce.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit import sync_ddp, sync_ddp_if_available
+
+
+def test_unknown_op_lists_the_valid_ones_without_a_process_group() -> None:
+    with pytest.raises(ValueError, match=r"reduce_op='median' is not supported; use 'sum', 'mean' \(or 'avg'\)"):
+        sync_ddp(torch.ones(2), reduce_op="median")
+    with pytest.raises(ValueError, match=r"PREMUL_SUM|is not supported"):
+        sync_ddp(torch.ones(2), reduce_op=dist.ReduceOp.PREMUL_SUM)  # type: ignore[arg-type]
+
+
+def test_without_a_process_group_the_result_is_the_input_unchanged() -> None:
+    tensor = torch.tensor([1, 2])
+    for reduce in (sync_ddp, sync_ddp_if_available):
+        for op in ("sum", "mean", "max"):
+            assert reduce(tensor, reduce_op=op) is tensor, "Lightning's sync_ddp_if_available returns it as it is"
+        assert tensor.tolist() == [1, 2]
+        assert reduce(3.5).item() == 3.5
+    with pytest.raises(TypeError, match="got str"):
+        sync_ddp("x")  # type: ignore[arg-type]

@@ -1,0 +1,91 @@
+"""TrainLoop: DDP equals one process (item and batch samplers), exact metrics, bit-identical resume.
+
+Here, the tests that need no process; the others are in tests/ranks/test_train_loop.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpkit import Callback, TrainLoop
+from ddpkit.examples.digits import digits_datasets, load_digits
+
+# --- run in the workers (top level: pickled by reference) -----------------------------------
+
+
+def _model(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 10))
+
+
+# --- behaviour ---------------------------------------------------------------------------------
+
+
+class _Recorder(Callback):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_train_begin(self, train_loop: Any) -> None:
+        self.events.append("train_begin")
+
+    def on_epoch_begin(self, train_loop: Any) -> None:
+        self.events.append(f"epoch_begin {train_loop.epoch}")
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        self.events.append(f"step {train_loop.global_step}")
+
+    def on_epoch_end(self, train_loop: Any) -> None:
+        self.events.append(f"epoch_end {train_loop.epoch} {len(train_loop.history['train_loss'])}")
+
+    def on_train_end(self, train_loop: Any) -> None:
+        self.events.append("train_end")
+
+
+def test_callbacks_see_every_event_in_order_and_the_handler_refuses_others() -> None:
+    images, labels = load_digits()
+    data = TensorDataset(torch.from_numpy(images)[:10], torch.from_numpy(labels)[:10])
+    loop = TrainLoop(_model(), DataLoader(data, batch_size=4), progress=False)
+    recorder = _Recorder()
+    loop.fit(2, grad_accumulation=2, callbacks=[recorder])
+    assert recorder.events == [
+        "train_begin",
+        "epoch_begin 0", "step 1", "step 2", "epoch_end 0 1",
+        "epoch_begin 1", "step 3", "step 4", "epoch_end 1 2",
+        "train_end",
+    ]  # fmt: skip
+    with pytest.raises(TypeError, match=r"must be ddpkit\.Callback instances, got builtin_function_or_method"):
+        loop.callbacks_handler.register_callbacks([print])  # type: ignore[list-item]
+
+
+def test_bad_arguments_are_refused_with_the_values() -> None:
+    train, _ = digits_datasets(seed=0)
+    loop = TrainLoop(_model(), DataLoader(train, batch_size=64))
+    with pytest.raises(ValueError, match="num_epochs=0 and grad_accumulation=1 must be >= 1"):
+        loop.fit(0)
+    with pytest.raises(ValueError, match="grad_accumulation=0"):
+        loop.fit(1, grad_accumulation=0)
+    with pytest.raises(ValueError, match="evaluate\\(\\) needs a loader"):
+        loop.evaluate()
+    with pytest.raises(ValueError, match="checkpoint_every=0 must be >= 1"):
+        TrainLoop(_model(), DataLoader(train), checkpoint_every=0)
+
+
+# --- failures inside the loop -------------------------------------------------------------------------------
+
+
+def test_evaluate_puts_the_model_back_in_train_mode_when_it_raises() -> None:
+    class Broken(TrainLoop):
+        def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            raise RuntimeError("bad batch")
+
+    _, val = digits_datasets(seed=0)
+    model = _model()
+    loop = Broken(model, DataLoader(val, batch_size=64), progress=False)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        loop.evaluate(DataLoader(val, batch_size=64))
+    assert model.training
