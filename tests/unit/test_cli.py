@@ -10,42 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from ddpkit.cli import main
-
-# A plain torchrun-style script, as a user would write it: no ddpkit inside.
-SCRIPT = textwrap.dedent(
-    """\
-    import json, os, sys
-    import torch
-    import torch.distributed as dist
-
-    out = sys.argv[1]
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    total = torch.tensor([float(rank + 1)])
-    dist.all_reduce(total)
-    with open(os.path.join(out, f"{attempt}-{rank}-{os.getpid()}.json"), "w") as handle:
-        json.dump({"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
-                   "local_rank": int(os.environ["LOCAL_RANK"]), "sum": total.item(), "argv": sys.argv[2:],
-                   "name": __name__}, handle)
-    fail = sys.argv[2]
-    if fail == "hang":
-        import time
-        time.sleep(300)
-    if fail == "always" and rank == 1:
-        raise ValueError(f"corrupt shard on rank {rank}")
-    if fail == "first-attempt" and rank == 1 and attempt == 0:
-        sys.exit(3)
-    dist.barrier()
-    dist.destroy_process_group()
-    """
-)
 
 
 def ddpkit(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
@@ -60,14 +29,6 @@ def ddpkit(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
             process.communicate()
             raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-@pytest.fixture
-def script(tmp_path: Path) -> Path:
-    path = tmp_path / "train.py"
-    path.write_text(SCRIPT)
-    (tmp_path / "out").mkdir()
-    return path
 
 
 # --- in process ------------------------------------------------------------------------------
