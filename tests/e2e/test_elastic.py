@@ -27,9 +27,16 @@ from ddpkit.examples.elastic import (
 from ddpkit.testing import run_parallel
 from tests.helpers import wait_for
 from tests.ranks.test_elastic import _expected_epochs
-from tests.unit.test_elastic import _agent, _max_difference
+from tests.unit.test_elastic import _max_difference
 
 # --- end to end: two agents, one lost or one added -------------------------------------------------
+
+
+def _agent(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # fmt: skip
+
 
 #: Short heartbeats and last call, so that a lost node is noticed in 3 s and the group re-forms 2 s later.
 _FAST_RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"

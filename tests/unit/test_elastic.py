@@ -8,8 +8,6 @@ Here, the tests that need no process; the others are in tests/ranks/test_elastic
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -128,12 +126,3 @@ def test_losing_the_rendezvous_host_is_named() -> None:
     message = str(_rendezvous_failed(RendezvousConnectionError("lost"), "127.0.0.1:29400", "1:2", None))
     assert "cannot reach the rendezvous store at 127.0.0.1:29400" in message
     assert "a job survives losing any node but that one" in message
-
-
-# --- end to end: two agents, one lost or one added -------------------------------------------------
-
-
-def _agent(command: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)  # fmt: skip
