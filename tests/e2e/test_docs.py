@@ -98,4 +98,8 @@ def test_every_shell_block_of_the_guides_runs(key: tuple[str, int], tmp_path: Pa
             out, _ = shell.communicate(timeout=240)
             assert shell.returncode == 0, f"{line!r} failed ({shell.returncode}):\n{out}"
             said.append(out)
-    assert re.search(run["expect"], "\n".join(said)), "\n".join(said)
+    output = "\n".join(said)
+    found = re.findall(run["expect"], output, re.MULTILINE)
+    assert len(found) >= run.get("times", 1), output
+    if run.get("same"):
+        assert len(set(found)) == 1, output
