@@ -21,7 +21,7 @@ from tests.helpers import job_environment
 from tests.ranks.test_one_job import _as_in_the_ddp_tutorial, check_case
 
 ROOT = Path(__file__).parents[2]
-SCRIPT = ROOT / "tests" / "one_job.py"
+SCRIPT = ROOT / "tests" / "e2e" / "one_job.py"
 #: Each case's final weights in the session pool, computed once per session.
 _REFERENCE: dict[tuple[str, str], list[float]] = {}
 
