@@ -248,7 +248,7 @@ def _slow_collate_on_rank_one(rows: list[Any]) -> Any:
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
-        time.sleep(0.01)  # a slow data pipeline on one rank
+        time.sleep(0.04)  # a slow data pipeline on one rank: 40 ms, well above a loaded machine's noise
     return torch.utils.data.default_collate(rows)
 
 
@@ -266,7 +266,7 @@ def _step_times() -> tuple[list[float], str]:
 def test_each_epoch_names_the_slowest_rank_before_it_becomes_a_hang() -> None:
     (times, line), (times_1, nothing) = run_parallel(_step_times)
     assert times == times_1, "every rank knows every rank's time"
-    assert times[1] > times[0] + 8, "rank 1 spends 10 ms more per batch loading (ms)"
+    assert times[1] > times[0] + 25, "rank 1 spends 40 ms more per batch loading (ms)"
     assert f"load+forward {min(times):.1f}-{max(times):.1f} ms/batch (slowest rank 1)" in line
     assert nothing == "", "rank 0 alone prints"
 
