@@ -1,14 +1,15 @@
 """A replica group of a fault-tolerant job: `ddpkit run --fault-tolerance -n 3 examples/fault_tolerant.py`.
 
-Each process is one group; `ddpkit run --fault-tolerance` starts the lighthouse and sets torchft's
-TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID for each. Kill one (`kill -9`): the others go on, it comes back and heals.
+Each process is one group (or, with `--group-size M`, each M processes); `ddpkit run --fault-tolerance` starts the
+lighthouse and sets torchft's TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID for each. Kill one (`kill -9`): the others
+go on, it comes back and heals.
 """
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddpkit import TrainLoop
+from ddpkit import TrainLoop, get_rank
 from ddpkit.examples.digits import digits_datasets
 
 train_set, val_set = digits_datasets()
@@ -24,4 +25,5 @@ loop = TrainLoop(
     progress=False,
 )
 history = loop.fit(2)
-print(f"validation accuracy {history['validation_accuracy'][-1]:.3f}")
+if get_rank() == 0:  # once per group (its first rank)
+    print(f"validation accuracy {history['validation_accuracy'][-1]:.3f}")

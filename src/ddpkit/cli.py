@@ -64,9 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--fault-tolerance",
         action="store_true",
         help="per-step fault tolerance on torchft (pip install 'ddpkit[ft]'; one node): a lighthouse here on "
-        "loopback and each of the -n processes a replica group under an agent of its own, named group-0, "
-        "group-1, ... (REPLICA_GROUP_ID), started again up to --max-restarts times when it dies while the others "
-        "go on; the script trains with TrainLoop(fault_tolerance='torchft')",
+        "loopback and the -n processes replica groups of --group-size ranks, each under an agent of its own, named "
+        "group-0, group-1, ... (REPLICA_GROUP_ID), started again up to --max-restarts times when one of its ranks "
+        "dies while the others go on; the script trains with TrainLoop(fault_tolerance='torchft')",
+    )
+    run.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --fault-tolerance: ranks per replica group (default 1); -n must be a multiple of it",
     )
     run.add_argument("--doctor", action="store_true", help="run `ddpkit doctor` on these processes instead of SCRIPT")
     run.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module, with -m)")
@@ -227,6 +234,8 @@ def _run(args: argparse.Namespace) -> int:
         os.environ[VERBOSE_VARIABLE] = "1"
     if args.fault_tolerance:
         return _run_replica_groups(args)
+    if args.group_size != 1:
+        return _fail("run", f"--group-size {args.group_size} is for --fault-tolerance's replica groups", status=2)
     options = {
         "nprocs": args.nprocs,
         "nnodes": args.nnodes,
@@ -270,9 +279,18 @@ def _run_replica_groups(args: argparse.Namespace) -> int:
             "documentation's fault-tolerance page, docs/fault-tolerance.md)",
             status=2,
         )
+    processes, size = 1 if args.nprocs is None else args.nprocs, args.group_size
+    if size < 1 or processes % size:
+        return _fail(
+            "run",
+            f"--group-size {size} with -n {processes}: the -n processes make replica groups of --group-size ranks "
+            "each, so -n must be a multiple of --group-size, which is at least 1 (-n 4 --group-size 2: two groups "
+            "of two ranks)",
+            status=2,
+        )
     try:
         statuses = run_replica_groups(
-            args.script, args.script_args, groups=1 if args.nprocs is None else args.nprocs,
+            args.script, args.script_args, groups=processes // size, group_size=size,
             max_restarts=args.max_restarts, module=args.module,
         )  # fmt: skip
         return next((status for status in statuses if status != 0), 0)

@@ -1,7 +1,9 @@
 """One replica group of a fault-tolerant ``TrainLoop``:
 ``python -m tests.e2e.ft_trainloop ID LIGHTHOUSE OUT KILL_AT DELAY [CHECKPOINT_DIR]``, or
 ``ddpkit run --fault-tolerance -n 3 -m tests.e2e.ft_trainloop - - FOLDER KILL_AT DELAY`` (the id and lighthouse
-from the environment, ``OUT`` = ``FOLDER/<id>``, and only ``group-2``'s first start kills itself).
+from the environment, ``OUT`` = ``FOLDER/<id>`` (``FOLDER/<id>.rank<r>`` for rank ``r`` > 0 of a group of
+several ranks), and only the first start of ``$FT_KILL_GROUP`` (default ``group-2``) kills itself: its rank
+``$FT_KILL_RANK`` alone, where given).
 
 Trains the digits classifier with ``TrainLoop(fault_tolerance=TorchFT(...), global_batch_size=GLOBAL_BATCH)``.
 Every committed step appends a JSON line to ``OUT.jsonl``: the epoch, the step, the dataset indices this
@@ -71,7 +73,7 @@ class IndexedLoop(TrainLoop):
     def log(self) -> Any:
         """The step log, opened (for appending) in the process that trains."""
         if self._file is None:
-            path = os.path.join(self.out, os.environ["REPLICA_GROUP_ID"]) if self.folder else self.out
+            path = os.path.join(self.out, os.environ["REPLICA_GROUP_ID"] + _rank_suffix()) if self.folder else self.out
             self._file = open(f"{path}.jsonl", "a")  # noqa: SIM115  # open while the process trains
         return self._file
 
@@ -80,7 +82,9 @@ class IndexedLoop(TrainLoop):
         if self.kill_group is None:
             return True
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        return os.environ.get("REPLICA_GROUP_ID") == self.kill_group and first
+        rank = os.environ.get("FT_KILL_RANK")
+        group = os.environ.get("REPLICA_GROUP_ID")
+        return group == self.kill_group and first and rank in (None, os.environ.get("RANK", "0"))
 
     def attempt(self) -> tuple[int, int, int]:
         """Which attempt at which step this is: the step, the steps not committed, the shares dealt again."""
@@ -104,6 +108,12 @@ class IndexedLoop(TrainLoop):
                 next(model.parameters()).add_(0.01)
         self.pending.append((self.attempt(), indices.tolist()))
         return nn.functional.cross_entropy(model(images), labels)
+
+
+def _rank_suffix() -> str:
+    """``.rank<r>`` for rank ``r`` > 0 of a replica group of several ranks (each rank logs what it trained on)."""
+    rank = int(os.environ.get("RANK", "0"))
+    return f".rank{rank}" if rank else ""
 
 
 def restarted() -> bool:
@@ -201,8 +211,8 @@ def main(replica: str, lighthouse: str, out: str, kill_at: int, delay: float, ch
     if replica == "-":  # under `ddpkit run --fault-tolerance`: the settings from the environment, OUT a folder
         replica, lighthouse = os.environ["REPLICA_GROUP_ID"], os.environ["TORCHFT_LIGHTHOUSE"]
         loop = build_loop(TorchFT(lighthouse, replica, timeout=5.0, quorum_timeout=30.0))
-        loop.out, loop.folder, loop.kill_group = out, True, "group-2"
-        out = os.path.join(out, replica)
+        loop.out, loop.folder, loop.kill_group = out, True, os.environ.get("FT_KILL_GROUP", "group-2")
+        out = os.path.join(out, replica + _rank_suffix())
     else:
         loop = build_loop(TorchFT(lighthouse, replica, timeout=5.0, quorum_timeout=30.0))
         loop.out = out

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ddpkit.fault_tolerance import TorchFT, serve_lighthouse
+from ddpkit.training import TrainState
 from tests.e2e.ft_trainloop import (
     check_against_one_process as _check_every_item_once_per_epoch_and_the_weights_of_one_process,
 )
@@ -347,6 +348,44 @@ def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_
     assert back[0]["step"] > 30, "the restarted group started over instead of taking its peers' state"
     assert any(r["groups"] == 3 and r["items"] for r in back), "the restarted group never trained again"
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
+
+
+@pytest.mark.timeout(300)
+def test_replica_groups_of_two_ranks_lose_a_rank_restart_that_group_and_end_as_one_process(tmp_path: Path) -> None:
+    """`ddpkit run --fault-tolerance -n 4 --group-size 2 --max-restarts 1`: two replica groups of two ranks
+    each. Rank 1 of group-1 SIGKILLs itself inside step 30: group-1's agent restarts both its ranks, which take
+    group-0's state; group-0 keeps its processes and commits within 2 s. Every item once per epoch over the
+    four ranks' shares; each rank's final weights within 1e-5 of one process with the same global batch."""
+    command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", "4", "--group-size", "2",
+               "--max-restarts", "1", "-m", "tests.e2e.ft_trainloop", "-", "-", str(tmp_path), "30",
+               str(STEP_DELAY_S), str(tmp_path / "checkpoints")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "FT_KILL_GROUP": "group-1", "FT_KILL_RANK": "1",
+           **_survivors_wait_for_the_restart(tmp_path)}  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=270)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ddpkit: replica group group-1: restart 1 of 1: local rank 1 was killed by signal SIGKILL" in done.stderr, (
+        done.stderr[-3000:]
+    )
+    named = r"replica group group-0 at step \d+: (.*; )?group-1 (left the quorum|came back as a new process)"
+    assert re.search(named, done.stderr), done.stderr[-3000:]
+    survivors = [tmp_path / "group-0", tmp_path / "group-0.rank1"]
+    restarted = [tmp_path / "group-1", tmp_path / "group-1.rank1"]
+    killed = next(r["kill"] for r in _records(restarted[1]) if "kill" in r)
+    for out in survivors:
+        records = _steps([out])
+        assert len({r["pid"] for r in records}) == 1, f"{out.name} was restarted"
+        first = next(r for r in records if r["t"] > killed)
+        print(f"{out.name} committed step {first['step']} {first['t'] - killed:.2f} s after the kill")
+        after = first["t"] - killed
+        assert after < 2.0, f"next commit {after:.2f} s after the kill: {done.stderr[-4000:]}"
+    for out in restarted:
+        assert len({r["pid"] for r in _steps([out])}) == 2, f"{out.name} was not started again"
+        back = [r for r in _steps([out]) if r["t"] > killed]
+        assert back[0]["step"] > 30, f"{out.name} started over instead of taking its peers' state"
+        assert any(r["groups"] == 2 and r["items"] for r in back), f"{out.name} never trained again"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(survivors + restarted, survivors + restarted)
+    saved = TrainState.load(tmp_path / "checkpoints" / "last.pt")
+    assert (saved.epoch, saved.global_step) == (3, 69), "the writing group's ranks wrote the last checkpoint"
 
 
 @pytest.mark.timeout(300)

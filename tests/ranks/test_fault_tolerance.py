@@ -60,3 +60,41 @@ def test_a_fault_tolerant_trainloop_loads_ahead_with_the_training_loaders_worker
         weights[workers] = loop.model.state_dict()
     assert counts == {"here": 2, "workers": 14}, "8 steps an epoch: its first loaded here, then ahead"
     assert all(torch.equal(weights[0][name], value) for name, value in weights[2].items())
+
+
+def _one_group_of_two_ranks(lighthouse: str, checkpoint_dir: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    import os
+
+    from ddpkit._secret import SECRET_VARIABLE
+    from tests.builders import digits_loop
+
+    os.environ[SECRET_VARIABLE] = "a secret of this test, the same on both ranks"
+    try:
+        loop = digits_loop(16, samples=512, global_batch_size=64, checkpoint_dir=checkpoint_dir,
+                           fault_tolerance=TorchFT(lighthouse, "pair", timeout=10))  # fmt: skip
+        history = loop.fit(2)
+    finally:
+        del os.environ[SECRET_VARIABLE]
+    return {name: value.clone() for name, value in loop.model.state_dict().items()}, history["train_loss"]
+
+
+def test_a_replica_group_of_two_ranks_trains_as_one_process_and_writes_its_checkpoint(tmp_path: Path) -> None:
+    """A replica group of both ranks of a process group (each step's share dealt over its ranks, averaged over
+    them and over the quorum): the weights and losses of one process with the same global batch, and the
+    checkpoint written by the group's ranks together (rank 0 writes)."""
+    from ddpkit.testing import run_parallel
+    from ddpkit.training import TrainState
+    from tests.builders import digits_loop
+
+    with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:
+        (weights, losses), (weights_1, losses_1) = run_parallel(
+            _one_group_of_two_ranks, lighthouse.address, str(tmp_path), timeout=60
+        )
+    reference = digits_loop(16, samples=512, global_batch_size=64)
+    expected = reference.fit(2)["train_loss"]
+    assert losses == losses_1 == pytest.approx(expected, rel=1e-6)
+    for name, value in reference.model.state_dict().items():
+        assert torch.equal(weights[name], weights_1[name]), "the group's ranks hold the same weights"
+        assert float((weights[name] - value).abs().max()) < 1e-5, name
+    saved = TrainState.load(tmp_path / "last.pt")
+    assert (saved.epoch, saved.global_step, saved.position) == (2, 16, 0)

@@ -109,6 +109,8 @@ RUNS: dict[tuple[str, int], dict[str, Any]] = {
     },
     # each of the 3 groups prints its accuracy, the same
     ("fault-tolerance.md", 0): {"expect": r"^validation accuracy (0\.[89]\d\d)$", "times": 3, "same": True},
+    # two groups of two ranks: each group's rank 0 prints, the same accuracy as the three groups above
+    ("fault-tolerance.md", 1): {"expect": r"^validation accuracy (0\.[89]\d\d)$", "times": 2, "same": True},
     ("clusters.md", 0): {
         "nodes": 2,  # node001 is the first node's host name; the ranks of 4 GPUs a node are one CPU rank here
         "replace": {"node001:29400": "127.0.0.1:{port}", "-n 8": "-n 1", "train.py": "examples/train.py"},

@@ -267,6 +267,23 @@ def test_ddpkit_run_fault_tolerance_is_one_machines_and_says_how_to_go_further(
     assert "TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID" in said, said
 
 
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--fault-tolerance", "-n", "3", "--group-size", "2"], "--group-size 2 with -n 3: the -n processes make"),
+        (["--fault-tolerance", "-n", "2", "--group-size", "0"], "--group-size 0 with -n 2"),
+        (["-n", "4", "--group-size", "2"], "--group-size 2 is for --fault-tolerance's replica groups"),
+    ],
+)
+def test_ddpkit_run_refuses_replica_groups_that_do_not_divide_its_processes(
+    arguments: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddpkit.cli import main
+
+    assert main(["run", *arguments, "tests/e2e/ft_trainloop.py"]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_the_log_names_who_left_who_joined_and_who_came_back_as_a_new_process(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

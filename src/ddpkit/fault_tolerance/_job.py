@@ -1,10 +1,11 @@
 """``ddpkit run --fault-tolerance``: this machine's replica groups, each under an elastic agent of its own.
 
-This process serves torchft's lighthouse on loopback; every replica group is a ``ddpkit run -n 1`` of
-its own, a child of this process with ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID`` set, and the job's secret
-in ``DDPKIT_JOB_SECRET`` (the one this process was given, else one drawn for this job): every quorum's members
-prove they hold it. When a group's worker dies, its agent starts it again (``--max-restarts``) and it rejoins
-the quorum, while the other groups go on in their processes.
+This process serves torchft's lighthouse on loopback; every replica group is a ``ddpkit run -n M`` of its
+own (``M``: the group's ranks, 1 by default), a child of this process with ``TORCHFT_LIGHTHOUSE`` and
+``REPLICA_GROUP_ID`` set, and the job's secret in ``DDPKIT_JOB_SECRET`` (the one this process was given, else
+one drawn for this job): every quorum's members prove they hold it. When a rank of a group dies, its agent
+starts the group again (``--max-restarts``) and it rejoins the quorum, while the other groups go on in their
+processes.
 """
 
 from __future__ import annotations
@@ -24,34 +25,37 @@ __all__ = ["run_replica_groups"]
 
 def run_replica_groups(
     script: str, script_args: Sequence[str], *, groups: int, max_restarts: int, module: bool = False,
-    lighthouse: str | None = None, min_replicas: int = 1,
+    lighthouse: str | None = None, min_replicas: int = 1, group_size: int = 1,
 ) -> list[int]:  # fmt: skip
     """Run ``groups`` replica groups of ``script`` on this machine, named ``group-0``, ``group-1``, ... (each
-    a ``ddpkit run -n 1`` child started again up to ``max_restarts`` times), with the job's lighthouse on
-    loopback in this process (or at ``lighthouse``, one that runs already). Every group gets the job secret in
-    its environment: this process's (``DDPKIT_JOB_SECRET`` or ``--secret-file``), else one drawn for this job
-    (32 random bytes), and their number (``DDPKIT_REPLICA_GROUPS``: the job's first step waits for them all).
-    Returns each group's exit status (Ctrl-C or SIGTERM stops them all: 130 each).
+    a ``ddpkit run -n group_size`` child, its ranks restarted together up to ``max_restarts`` times), with the
+    job's lighthouse on loopback in this process (or at ``lighthouse``, one that runs already). Every group gets
+    the job secret in its environment: this process's (``DDPKIT_JOB_SECRET`` or ``--secret-file``), else one
+    drawn for this job (32 random bytes), and their number (``DDPKIT_REPLICA_GROUPS``: the job's first step
+    waits for them all). Returns each group's exit status (Ctrl-C or SIGTERM stops them all: 130 each).
 
     Raises:
-        ValueError: ``groups`` below 1.
+        ValueError: ``groups`` or ``group_size`` below 1.
         ImportError: torchft is not installed (the message says how to install it).
     """
-    if groups < 1:
-        raise ValueError(f"{groups} replica groups: start at least one")
+    if groups < 1 or group_size < 1:
+        raise ValueError(f"{groups} replica groups of {group_size} ranks: start at least one group of one rank")
     if lighthouse is not None:
-        return _run_groups(script, script_args, groups, lighthouse, max_restarts, module)
+        return _run_groups(script, script_args, groups, group_size, lighthouse, max_restarts, module)
     with serve_lighthouse("127.0.0.1", min_replicas=min_replicas) as served:
         print(f"ddpkit: torchft's lighthouse at {served.address}", file=sys.stderr, flush=True)
-        return _run_groups(script, script_args, groups, served.address, max_restarts, module)
+        return _run_groups(script, script_args, groups, group_size, served.address, max_restarts, module)
 
 
 def _run_groups(
-    script: str, script_args: Sequence[str], groups: int, lighthouse: str, max_restarts: int, module: bool
-) -> list[int]:
+    script: str, script_args: Sequence[str], groups: int, size: int, lighthouse: str, max_restarts: int,
+    module: bool,
+) -> list[int]:  # fmt: skip
     secret = (job_secret() or new_job_secret()).decode()  # one for the whole job
-    children = [_start_group(script, script_args, f"group-{i}", lighthouse, max_restarts, module, secret, groups)
-                for i in range(groups)]  # fmt: skip
+    children = [
+        _start_group(script, script_args, f"group-{i}", size, lighthouse, max_restarts, module, secret, groups)
+        for i in range(groups)
+    ]
     return _wait(children)
 
 
@@ -59,13 +63,14 @@ def _start_group(
     script: str,
     script_args: Sequence[str],
     replica_id: str,
+    size: int,
     lighthouse: str,
     max_restarts: int,
     module: bool,
     secret: str,
     groups: int,
 ) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "ddpkit", "run", "-n", "1", "--max-restarts", str(max_restarts)]
+    command = [sys.executable, "-m", "ddpkit", "run", "-n", str(size), "--max-restarts", str(max_restarts)]
     command += ["-m"] if module else []
     env = {**os.environ, LIGHTHOUSE_VARIABLE: lighthouse, REPLICA_ID_VARIABLE: replica_id, SECRET_VARIABLE: secret,
            GROUPS_VARIABLE: str(groups)}  # fmt: skip

@@ -19,11 +19,13 @@ from ddpkit._gradients import reduce_gradients
 from ddpkit._group_proof import GUIDE
 from ddpkit._secret import SECRET_VARIABLE, job_secret
 from ddpkit._stores import release_store, route_address, serve_store
+from ddpkit.collectives.objects import broadcast_object
 from ddpkit.environments.base import is_loopback
 from ddpkit.errors import DDPKitError, RendezvousFailedError
 from ddpkit.fault_tolerance._healing import TensorTransport
 from ddpkit.fault_tolerance._quorum_proof import proven_gloo
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
+from ddpkit.process_group import get_rank, get_world_size
 
 #: torchft's manager builds its server inside ``Manager.__init__`` with ``[::]`` (every interface) as the
 #: bind address; ddpkit swaps the class it builds for one call. The lock keeps two constructions apart.
@@ -33,8 +35,10 @@ _warned_without_secret = False
 
 
 class ReplicaGroup:
-    """This process as one replica group of a fault-tolerant job (torchft's ``Manager``, with ``rank=0`` and
-    ``world_size=1``: one process per group for now).
+    """This process as one replica group of a fault-tolerant job (torchft's ``Manager``), or as one rank of it
+    when the default process group has several ranks: then that process group is the replica group (its
+    rank 0 hosts the group's store and torchft's manager server; every rank of it constructs a ``ReplicaGroup``
+    with the same arguments, and calls every method below in the same order).
 
     Every optimizer step, in this order: :meth:`start_step` (asks for the step's quorum; it is formed while
     the forward and backward run), :meth:`average_gradients` after ``backward()``, then :meth:`commit`, and
@@ -44,7 +48,14 @@ class ReplicaGroup:
     ``load_state_dict`` before its first step counts.
 
     Its servers listen on one address: its store and torchft's manager server on 127.0.0.1 when the
-    lighthouse is on loopback, else on this machine's address on its route to the lighthouse.
+    lighthouse is on loopback, else on this machine's address on its route to the lighthouse (rank 0's,
+    for a group of several ranks).
+
+    A group of several ranks averages the gradients over its own ranks (the default process group) and then
+    over the quorum's groups, rank ``r`` of each group with rank ``r`` of the others (one process group of
+    the quorum per rank of a group, as torchft's HSDP does); it commits a step only when every one of its
+    ranks can. A rank that dies fails its group's collectives: its launcher restarts the whole group, which
+    comes back and takes its peers' state, while the other groups go on.
 
     With a job secret (``DDPKIT_JOB_SECRET``, which ``ddpkit run --fault-tolerance`` and ``fit_distributed``
     give every group of a job), each quorum's members prove that they hold it before anything moves between
@@ -97,14 +108,19 @@ class ReplicaGroup:
             self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
             timeout,
         )  # fmt: skip
-        self._store_port = serve_store(local, 0)
-        assert self._store_port is not None, f"{local} is this machine's own address"
+        #: This process's rank in its replica group, and the group's ranks (the default process group's).
+        self.rank, self.ranks = get_rank(), get_world_size()
+        self._store_port = serve_store(local, 0) if self.rank == 0 else None
+        assert self.rank != 0 or self._store_port is not None, f"{local} is this machine's own address"
+        store = (local, self._store_port)
+        if self.ranks > 1:  # the group's store is rank 0's
+            store = broadcast_object(store if self.rank == 0 else None, src=0)
         try:
             with _manager_server_on(managers, local), _client_recording(managers, self._quorum_ids):
                 self._manager = torchft.Manager(
                     pg=self._group, min_replica_size=min_replicas, load_state_dict=load_state_dict,
-                    state_dict=state_dict, replica_id=replica_id, store_addr=local, store_port=self._store_port,
-                    rank=0, world_size=1, lighthouse_addr=lighthouse, hostname=local,
+                    state_dict=state_dict, replica_id=replica_id, store_addr=store[0], store_port=store[1],
+                    rank=self.rank, world_size=self.ranks, lighthouse_addr=lighthouse, hostname=local,
                     timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
                     connect_timeout=timedelta(seconds=timeout), checkpoint_transport=transport,
                 )  # fmt: skip
@@ -169,17 +185,24 @@ class ReplicaGroup:
             self._manager.start_quorum()  # the quorum above is left without a commit: its step 0 stays 0
 
     def average_gradients(self, parameters: Iterable[nn.Parameter], also: torch.Tensor | None = None) -> bool:
-        """Average the gradients of ``parameters`` over the quorum's groups: one all-reduce per device and dtype;
-        whether it went through.
+        """Average the gradients of ``parameters`` over the group's ranks (when it has several) and then over the
+        quorum's groups: one all-reduce of each per device and dtype; whether it went through.
 
         A parameter without a gradient counts as zero (and gets one). ``also`` (optional, 1-D floating point,
         shape ``(n,)``: a few numbers such as loss sums) is averaged in place with the first of them, in its
         dtype. After a failure in this step the gradients (and ``also``) are left as they are, it returns
-        ``False`` and so does :meth:`commit`. A recovering group adds zeros. Every group of the quorum calls
-        it, after ``backward()``.
+        ``False`` and so does :meth:`commit`. A recovering group adds zeros. Every rank of every group of the
+        quorum calls it, after ``backward()`` (of a model without DDP's own all-reduce: outside
+        ``DistributedDataParallel``, or inside its ``no_sync()``).
+
+        Raises:
+            RuntimeError: another rank of this group failed (torch's error): the group's launcher restarts it.
         """
 
         def mean(flat: torch.Tensor) -> bool:
+            if self.ranks > 1:  # over this group's ranks first: a rank that died fails it here
+                torch.distributed.all_reduce(flat)
+                flat.div_(self.ranks)
             self._manager.allreduce(flat).wait()  # the mean over the participants
             return self._manager.errored() is None
 

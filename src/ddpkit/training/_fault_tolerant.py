@@ -3,11 +3,12 @@
 
 Every optimizer step is one torchft quorum (:class:`~ddpkit.fault_tolerance.ReplicaGroup`). The step
 holds entries ``[position, position + G)`` of the epoch's global order (``G``: the global batch; the
-epoch's last step what is left), whatever the quorum: participant ``i`` of ``P`` takes positions
-``position + i``, ``position + i + P``, ... (as the distributed sampler deals positions over ranks) in
-micro-batches of the training loader's batch size, each batch's loss (a mean over its items) weighted by
-``items * P / step items``. The gradients averaged over the participants are then the mean over the step's
-items, as one process with a batch of ``G`` items computes them, on any number of replica groups.
+epoch's last step what is left), whatever the quorum. With ``P`` participants of ``k`` ranks each, rank ``r``
+of participant ``i`` is worker ``w = i * k + r`` of ``W = P * k``: it takes positions ``position + w``,
+``position + w + W``, ... (as the distributed sampler deals positions over ranks) in micro-batches of the
+training loader's batch size, each batch's loss (a mean over its items) weighted by ``items * W / step items``.
+The gradients averaged over the group's ranks and then over the participants are the mean over the step's
+items, as one process with a batch of ``G`` items computes them, on any number of replica groups of any size.
 
 A step that is not committed (a group was lost during it) changes nothing and is done again, with the same
 items, by the next quorum: every item is used once per epoch in the committed steps. A recovering group
@@ -18,6 +19,7 @@ writes and resumes checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -25,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ddpkit.errors import DDPKitError
@@ -60,8 +63,10 @@ def _weight_norms(model: torch.nn.Module) -> torch.Tensor:
 
 
 class FaultTolerantSteps:
-    """The steps of ``run`` (a set-up ``TrainLoop`` in a process without a process group) as one replica group
-    (a step driver of the epoch runner: in its ``with`` block this process is a member of the job's quorums).
+    """The steps of ``run`` (a set-up ``TrainLoop``) as one replica group, or one rank of it when the default
+    process group has several ranks (a step driver of the epoch runner: in its ``with`` block this process is a
+    member of the job's quorums). The DDP model's own all-reduce is off (``no_sync``): the group's ranks
+    average their gradients with the quorum's (:meth:`ReplicaGroup.average_gradients`), once per step.
 
     With DataLoader workers, the training loader's workers load the next steps' shares ahead
     (:class:`~ddpkit.training._ahead.AheadLoader`).
@@ -73,6 +78,8 @@ class FaultTolerantSteps:
     def __init__(self, run: TrainingRun, settings: TorchFT, global_batch_size: int, dealer: DistributedSamplerWrapper
                  ) -> None:  # fmt: skip
         self.run, self.settings, self.size, self.dealer = run, settings, global_batch_size, dealer
+        #: This rank in its replica group, and the group's ranks.
+        self.rank, self.ranks = get_rank(), get_world_size()
         self.loop = loop = run.loop
         loader = loop.train_loader
         if loader.batch_size is None:
@@ -95,7 +102,8 @@ class FaultTolerantSteps:
         self._orders: dict[int, torch.Tensor] = {}
         self._members: tuple[str, ...] = ()
         self._processes: tuple[str, ...] = ()
-        self._writer = False  # whether this group was participant 0 of the last committed step
+        self._writer = False  # whether this is rank 0 of participant 0 of the last committed step
+        self._writing_group = False  # whether this is a rank of participant 0 of the last committed step
         self._deal: tuple[int, int | None] | None = None  # (participants, index) of the last step's quorum
         self._share_time = 0.0  # seconds per batch of loading and forward in this group's last share
         self._times: dict[str, tuple[float, int]] = {}  # this epoch: each group's (seconds per batch, steps)
@@ -104,20 +112,17 @@ class FaultTolerantSteps:
 
     @classmethod
     def of(cls, run: TrainingRun, settings: TorchFT) -> FaultTolerantSteps:
-        """The steps of ``run`` (a ``TrainLoop`` with ``global_batch_size``) as one replica group, once set up.
+        """The steps of ``run`` (a ``TrainLoop`` with ``global_batch_size``) as one replica group, once set up
+        (every rank of the group calls it).
 
         Raises:
-            ValueError: this process is one rank of a process group of several, or the loader cannot be dealt.
+            ValueError: the loader cannot be dealt.
         """
-        if get_world_size() > 1:
-            raise ValueError(
-                f"fault_tolerance trains one process per replica group; this process is rank {get_rank()} of a "
-                f"process group of {get_world_size()}: start each replica group as its own process (with its own "
-                "REPLICA_GROUP_ID), without torchrun's or ddpkit run's --nproc-per-node above 1"
-            )
         run.setup()
         assert run.loop.global_batch is not None
-        return cls(run, settings, run.loop.global_batch.size, run.epochs.source.deal_every_item("fault_tolerance"))
+        dealer = run.epochs.source.deal_every_item("fault_tolerance")
+        dealer.num_replicas, dealer.rank = 1, 0  # every rank of a group draws the epoch's whole order: steps deal it
+        return cls(run, settings, run.loop.global_batch.size, dealer)
 
     # --- the state a recovering group takes --------------------------------------------------------
 
@@ -151,12 +156,15 @@ class FaultTolerantSteps:
 
     @property
     def leader(self) -> bool:
-        """Whether this group was participant 0 of the last committed step: it prints and writes checkpoints."""
+        """Whether this is rank 0 of the group that was participant 0 of the last committed step: it prints and
+        writes checkpoints."""
         return self._writer
 
     @property
     def saves(self) -> bool:
-        return self._writer
+        """Whether this is a rank of the group that was participant 0 of the last committed step (every rank of
+        it writes the checkpoint together: rank 0 writes, the others wait)."""
+        return self._writing_group
 
     def epoch(self, num_epochs: int) -> Iterator[CommittedStep]:
         """The committed steps of the current epoch, step by step with the quorum. A recovering group takes
@@ -242,7 +250,7 @@ class FaultTolerantSteps:
             riding, [2, 2, 2, len(members), mine.numel()]
         )
         if group.average_gradients(model.parameters(), also=riding):
-            sums = mean_sums * participants  # their mean over the participants -> their sum
+            sums = mean_sums * (participants * self.ranks)  # their mean over every rank of them -> their sum
             if index is not None:
                 self._check_same_weights(own, mean_norms, state.global_step + 1)
         if not group.commit():
@@ -264,7 +272,8 @@ class FaultTolerantSteps:
                 self._times[name] = (total + seconds, steps + 1)
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
         self.position += min(self.size, len(self._order(state.epoch)) - self.position)
-        self._writer = index == 0
+        self._writing_group = index == 0
+        self._writer = self._writing_group and self.rank == 0
         return CommittedStep(self.position, sums, {"replica_groups": float(participants)}, mean_flags)
 
     def _check_same_weights(self, own: torch.Tensor, mean: torch.Tensor, step: int) -> None:
@@ -295,12 +304,22 @@ class FaultTolerantSteps:
             self.loop.state.failed_steps += 1
 
     def _share(self, step: torch.Tensor, epoch: int, low: int, participants: int, index: int | None) -> torch.Tensor:
-        """Forward and backward of participant ``index``'s share of ``step`` (dataset indices from position
-        ``low`` of ``epoch``) among ``participants``: its loss sums (``(2,)`` float64); nothing for ``None``."""
-        run, loop, sums = self.run, self.loop, torch.zeros(2, dtype=torch.float64)
+        """Forward and backward of this rank's share of participant ``index``'s share of ``step`` (dataset indices
+        from position ``low`` of ``epoch``) among ``participants``: its loss sums (``(2,)`` float64); nothing for
+        ``None``. DDP's own all-reduce stays off: :meth:`ReplicaGroup.average_gradients` does it with the quorum's."""
+        loop, sums = self.loop, torch.zeros(2, dtype=torch.float64)
         self._share_time = 0.0
         if index is None:
             return sums
+        participants, index = participants * self.ranks, index * self.ranks + self.rank  # this rank as a worker
+        ddp = loop.ddp_model
+        with ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext():
+            return self._forward_backward(step, epoch, low, participants, index)
+
+    def _forward_backward(self, step: torch.Tensor, epoch: int, low: int, participants: int, index: int
+                          ) -> torch.Tensor:  # fmt: skip
+        """Worker ``index`` of ``participants``'s share of ``step``: forward and backward, its loss sums."""
+        run, loop, sums = self.run, self.loop, torch.zeros(2, dtype=torch.float64)
         forward, busy, previous, batches = run.forward_model, 0.0, time.perf_counter(), 0
         loaded = self._ahead.share(epoch, low, participants, index) if self._ahead is not None else None
         for number, chunk in enumerate(shares(step, participants, index, self.batch_size)):

@@ -27,7 +27,7 @@ from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT, torchft_settings
 from ddpkit.jobs.launch import StartMethod
 from ddpkit.plotting import plot_history
-from ddpkit.process_group import ensure_dist_connection, rank_device
+from ddpkit.process_group import ensure_dist_connection, get_rank, rank_device
 from ddpkit.training._evaluation import predict_in_order
 from ddpkit.training._fault_tolerant import FaultTolerantSteps
 from ddpkit.training._messages import resume_line
@@ -130,8 +130,12 @@ class TrainLoop:
             groups, loaded ahead by the loader's workers), so the weights are
             those of a run that lost nothing, up to rounding. Each group evaluates
             the whole split (exact, the same in every group); one writes
-            checkpoints. One process per group: start the groups with
-            :meth:`fit_distributed` or ``ddpkit run --fault-tolerance``.
+            checkpoints. A group is this process, or every rank of this
+            process's process group (``ddpkit run --fault-tolerance -n 4
+            --group-size 2``: two groups of two ranks; each step's share of a
+            group is dealt over its ranks and averaged over them, then over the
+            quorum). Start the groups with :meth:`fit_distributed` or ``ddpkit run
+            --fault-tolerance``.
 
     Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``, ``validation_loader``, ``test_loader``,
     ``device``, ``callbacks_handler``, ``ddp_handler`` (a :class:`~ddpkit.DDPHandler` once :meth:`fit` has set up).
@@ -300,7 +304,8 @@ class TrainLoop:
             if self.fault_tolerance is not None
             else DDPSteps(self._run, self._run.setup(), grad_accumulation)
         )
-        if self._run.resume() and (driver.leader or self.fault_tolerance is not None):  # every group says it
+        if self._run.resume() and (driver.leader or (self.fault_tolerance is not None and get_rank() == 0)):
+            # every group says it (its rank 0)
             tqdm.write(line := resume_line(self.state, self.checkpoint_dir, num_epochs))
             log.info(line)
         return self._run.run_epochs(driver, num_epochs)

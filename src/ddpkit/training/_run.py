@@ -329,7 +329,7 @@ class TrainingRun:
         return TrainState.capture(
             loop.state, position, self.epochs, model=loop.model.state_dict(),
             optimizer=loop.plugin.optimizer_state(loop.optimizer), callbacks=loop.callbacks_handler.state_dicts(),
-            seed=loop.seed, recipe=loop.recipe.state_dict(),
+            seed=loop.seed, recipe=loop.recipe.state_dict(), replicated=loop.fault_tolerance is not None,
         )  # fmt: skip
 
     def resume(self) -> bool:
@@ -349,7 +349,8 @@ class TrainingRun:
         loop.optimizer.load_state_dict(saved.optimizer)
         loop.callbacks_handler.load_state_dicts(saved.callbacks)
         loop.recipe.load_state_dict(saved.recipe)
-        saved.restore(loop.state, self.epochs, keeps_steps=loop.global_batch is not None)
+        saved.restore(loop.state, self.epochs, keeps_steps=loop.global_batch is not None,
+                      replicated=loop.fault_tolerance is not None)  # fmt: skip
 
     def pickled(self) -> dict[str, Any]:
         """The loop's ``__getstate__`` (to ``fit_distributed``'s new processes): without this run (made again

@@ -183,16 +183,21 @@ class TrainState:
     def capture(
         cls, run: RunState, position: int, epochs: TrainingEpochs, *, model: dict[str, Any],
         optimizer: dict[str, Any], callbacks: dict[str, dict[str, Any]], seed: int, recipe: dict[str, Any],
+        replicated: bool = False,
     ) -> TrainState:  # fmt: skip
         """The state of ``run`` after ``position`` entries of its current epoch's global order (``epochs``: the
         training loader's), with the given weights, optimizer, callback, scheduler and scaler states.
 
         Every rank must call it: it gathers every rank's RNG state and sums the
-        epoch's partial loss (two small collectives).
+        epoch's partial loss (two small collectives). With ``replicated`` (a fault-tolerant replica group, whose
+        ranks hold the job's sums already and reseed before every batch), no collective: this rank's sums and
+        random state (torchft captures a group's state in a thread of its own, beside the step's collectives).
         """
-        rngs = all_gather_object(rng_state())
+        rngs = [rng_state()] if replicated else all_gather_object(rng_state())
         stream = epochs.source.taken() if position else None
-        epoch_sums = sync_ddp(run.epoch_sums.clone()) if position else _sums()
+        epoch_sums = run.epoch_sums.clone() if position else _sums()
+        if position and not replicated:
+            epoch_sums = sync_ddp(epoch_sums)
         return cls(
             model=model, optimizer=optimizer, epoch=run.epoch, position=position, epoch_sums=epoch_sums,
             global_step=run.global_step, seed=seed, world_size=get_world_size(), rng=rngs,
@@ -200,10 +205,11 @@ class TrainState:
             recipe=recipe, skipped_steps=run.skipped_steps,
         )  # fmt: skip
 
-    def restore(self, run: RunState, epochs: TrainingEpochs, *, keeps_steps: bool) -> None:
+    def restore(self, run: RunState, epochs: TrainingEpochs, *, keeps_steps: bool, replicated: bool = False) -> None:
         """Put ``run`` where this state was, and this rank's random state (every rank calls it; ``epochs``: the
         training loader's, sharded). Weights, optimizer, callbacks, scheduler and
-        scaler are the caller's to load.
+        scaler are the caller's to load. With ``replicated`` (a fault-tolerant replica group) every rank takes the
+        epoch's sums, which are the job's; otherwise rank 0 carries them.
 
         On another number of ranks than wrote it, the epoch goes on with exactly
         the entries not done yet. With a fixed global batch (``keeps_steps``) the
@@ -218,7 +224,7 @@ class TrainState:
         if position:
             epochs.source.skip(self.stream)
         run.history = defaultdict(list, self.history)
-        first = get_rank() == 0 and position > 0  # rank 0 carries the partial sums of all ranks
+        first = (replicated or get_rank() == 0) and position > 0  # rank 0 carries the partial sums of all ranks
         run.epoch_sums = self.epoch_sums.cpu() if first else _sums()
         if self.world_size != get_world_size() and not keeps_steps:
             warnings.warn(
