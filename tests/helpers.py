@@ -43,6 +43,23 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it (Linux ``/proc``)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(fields[1])
+    found, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
 def listening_sockets(pids: list[int]) -> list[tuple[str, int]]:
     """``(address, port)`` of every TCP socket the processes ``pids`` listen on (Linux ``/proc``)."""
     inodes = set()

@@ -1,4 +1,4 @@
-"""The ``ddpkit`` command: ``run``, ``doctor``, ``env`` and ``demo``."""
+"""The ``ddpkit`` command: ``run``, ``doctor``, ``lighthouse``, ``env`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="M",
         help="with --fault-tolerance: ranks per replica group (default 1); -n must be a multiple of it",
     )
+    run.add_argument(
+        "--replica-id",
+        default=None,
+        metavar="NAME",
+        help="with --fault-tolerance --nnodes N: this node's replica group's name (default: the host name)",
+    )
     run.add_argument("--doctor", action="store_true", help="run `ddpkit doctor` on these processes instead of SCRIPT")
     run.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module, with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments of the script")
@@ -98,6 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", default=None, metavar="PATH", help="also write a PNG of bandwidth against message size here"
     )
     doctor.set_defaults(handler=_doctor)
+
+    lighthouse = commands.add_parser(
+        "lighthouse",
+        help="serve torchft's lighthouse for fault-tolerant jobs on several nodes",
+        description=(
+            "Serve torchft's lighthouse (the quorum server of `ddpkit run --fault-tolerance --nnodes N`) on one "
+            "address of this machine until Ctrl-C; the nodes' --rdzv-endpoint is HOST:PORT"
+        ),
+    )
+    lighthouse.add_argument("--host", required=True, help="this machine's address that the nodes reach")
+    lighthouse.add_argument("--port", type=int, default=29510, help="the port (default 29510)")
+    lighthouse.add_argument(
+        "--min-replicas", type=int, default=1, help="the fewest replica groups a step may commit with (default 1)"
+    )
+    lighthouse.set_defaults(handler=_lighthouse)
 
     env = commands.add_parser("env", help="print the detected cluster environment as JSON")
     env.set_defaults(handler=_env)
@@ -270,15 +291,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_replica_groups(args: argparse.Namespace) -> int:
-    if args.nnodes != "1" or scheduler_environment() is not None:
+    if scheduler_environment() is not None:
         return _fail(
             "run",
-            f"--fault-tolerance runs the replica groups of one machine (not --nnodes {args.nnodes}, nor under srun or "
-            "mpirun); on several, serve the lighthouse yourself (ddpkit.fault_tolerance.serve_lighthouse) and start "
-            "each group with TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID set (see the "
-            "documentation's fault-tolerance page, docs/fault-tolerance.md)",
+            "--fault-tolerance starts the replica groups itself, not as a task of srun or mpirun: run it once a "
+            "node (srun --ntasks-per-node 1 ddpkit run --fault-tolerance --nnodes N ...; see the documentation's "
+            "fault-tolerance page, docs/fault-tolerance.md)",
             status=2,
         )
+    if args.nnodes != "1":
+        return _run_node_group(args)
+    if args.replica_id is not None:
+        return _fail("run", "--replica-id names a node's group: it goes with --fault-tolerance --nnodes N", status=2)
     processes, size = 1 if args.nprocs is None else args.nprocs, args.group_size
     if size < 1 or processes % size:
         return _fail(
@@ -298,6 +322,42 @@ def _run_replica_groups(args: argparse.Namespace) -> int:
         return _fail("run", error, status=2)
     except ImportError as error:
         return _fail("run", error)
+
+
+def _run_node_group(args: argparse.Namespace) -> int:
+    """``ddpkit run --fault-tolerance --nnodes N``: this node's replica group."""
+    from ddpkit.fault_tolerance._job import run_node_group
+
+    problems = [
+        *([f"--nnodes {args.nnodes}: one replica group a node, a whole number of nodes (fault tolerance goes on "
+           "with the groups left, so MIN:MAX has no use here)"] if not args.nnodes.isdigit() else []),
+        *(["--rdzv-endpoint HOST:PORT, the same on every node: where the lighthouse listens (served by the node "
+           "whose address HOST is, or by `ddpkit lighthouse`)"] if args.rdzv_endpoint is None else []),
+        *([f"--group-size {args.group_size}: with --nnodes, each node's -n ranks are one group"]
+          if args.group_size != 1 else []),
+    ]  # fmt: skip
+    if problems:
+        return _fail("run", "--fault-tolerance --nnodes needs " + "; ".join(problems), status=2)
+    try:
+        return run_node_group(
+            args.script, args.script_args, nnodes=int(args.nnodes), endpoint=args.rdzv_endpoint, nprocs=args.nprocs,
+            replica_id=args.replica_id, max_restarts=args.max_restarts, module=args.module,
+        )  # fmt: skip
+    except ValueError as error:
+        return _fail("run", error, status=2)
+    except (ImportError, RendezvousFailedError) as error:
+        return _fail("run", error)
+
+
+def _lighthouse(args: argparse.Namespace) -> int:
+    from ddpkit.fault_tolerance._job import serve_until_interrupted
+
+    try:
+        return serve_until_interrupted(args.host, args.port, args.min_replicas)
+    except ValueError as error:
+        return _fail("lighthouse", error, status=2)
+    except (ImportError, RendezvousFailedError) as error:
+        return _fail("lighthouse", error)
 
 
 def _doctor(args: argparse.Namespace) -> int:

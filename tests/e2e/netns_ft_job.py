@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e.ft_trainloop import steps
-from tests.helpers import holds_within, listening_sockets
+from tests.helpers import descendants, holds_within, listening_sockets
 
 #: Seconds each stranger takes part.
 STRANGER_S = 10.0
@@ -44,22 +44,6 @@ _ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFE
 _ENV.pop("DDPKIT_JOB_SECRET", None)
 #: What a group says of a member whose address in the quorum's store is not signed with its secret.
 _REFUSED = "was not written by a process that holds the job secret"
-
-
-def _descendants(root: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(entry)] = int(fields[1])
-    found, frontier = [root], [root]
-    while frontier:
-        frontier = [pid for pid, parent in parents.items() if parent in frontier]
-        found += frontier
-    return found
 
 
 def _committed_since(out: Path, since: float, groups: tuple[str, ...] = ("group-0", "group-1")) -> bool:
@@ -142,7 +126,7 @@ def main(out: Path) -> None:
         lighthouse = re.findall(r"lighthouse at (http://\S+)", job_log.read_text())[0] if found else ""
         result["lighthouse"] = lighthouse
         if holds_within(lambda: all(len(steps([out / g])) >= 3 for g in ("group-0", "group-1")), 120):
-            result["listeners"] = listening_sockets(_descendants(job.pid))
+            result["listeners"] = listening_sockets(descendants(job.pid))
             result["kill"] = _kill(lighthouse, out)  # first: the killed group must be back before the job ends
             for mode in ("join", "claim"):
                 result[mode] = _stranger(mode, lighthouse, out)

@@ -93,7 +93,9 @@ def test_every_shell_block_of_the_guides_runs(key: tuple[str, int], tmp_path: Pa
         copies = run.get("nodes", 1) if "--nnodes 2" in line else 1
         start = functools.partial(subprocess.Popen, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        shells = [start(["bash", "-c", line]) for _ in range(copies)]
+        each = run.get("each", [{}] * copies) if copies > 1 else [{}]
+        shells = [start(["bash", "-c", functools.reduce(lambda text, change: text.replace(*change), changes.items(),
+                                                        line)]) for changes in each]  # fmt: skip
         for shell in shells:
             out, _ = shell.communicate(timeout=240)
             assert shell.returncode == 0, f"{line!r} failed ({shell.returncode}):\n{out}"

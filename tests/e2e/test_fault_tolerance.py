@@ -26,7 +26,7 @@ from tests.e2e.ft_trainloop import (
 )
 from tests.e2e.ft_trainloop import records as _records
 from tests.e2e.ft_trainloop import steps as _steps
-from tests.helpers import listening_sockets, refused, wait_for
+from tests.helpers import in_a_namespace, listening_sockets, refused, wait_for
 from tests.unit.test_fault_tolerance import _survivors_wait_for_the_restart
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
@@ -386,6 +386,42 @@ def test_replica_groups_of_two_ranks_lose_a_rank_restart_that_group_and_end_as_o
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(survivors + restarted, survivors + restarted)
     saved = TrainState.load(tmp_path / "checkpoints" / "last.pt")
     assert (saved.epoch, saved.global_step) == (3, 69), "the writing group's ranks wrote the last checkpoint"
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(330)
+def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ranks_and_heals(tmp_path: Path) -> None:
+    """Two "nodes" (test addresses 10.77.0.1 and 10.77.0.2 in a network namespace of the test's own), each
+    `ddpkit run --fault-tolerance --nnodes 2 -n 2 --rdzv-endpoint 10.77.0.1:29510 --secret-file F`: node-a serves
+    the lighthouse. Both ranks of node-b SIGKILL themselves in step 30: its agent restarts them and they heal from
+    node-a, which keeps its processes and commits within 2 s. Every item once per epoch; every rank's weights
+    within 1e-5 of one process; every listener on a test address or loopback."""
+    result = in_a_namespace("", tmp_path, module="tests.e2e.netns_ft_nodes", timeout=320)
+    logs = "\n".join(result["logs"])
+    assert result["codes"] == [0, 0], logs[-4000:]
+    assert result["trained"], logs[-4000:]
+    assert "torchft's lighthouse at http://10.77.0.1:29510, served by this node" in result["logs"][0], logs[-3000:]
+    assert "served by another node" in result["logs"][1], logs[-3000:]
+    assert "ddpkit: replica group node-b: restart 1 of 1: local rank " in result["logs"][1], logs[-3000:]
+    listeners = {address for address, _ in result["listeners"]}
+    assert listeners <= {"10.77.0.1", "10.77.0.2", "127.0.0.1"}, result["listeners"]
+    facing = [port for address, port in result["listeners"] if address == "10.77.0.1"]
+    # The lighthouse, each group's store and torchft manager server, and each rank's gloo device of the groups'
+    # process group (not the loopback that the group's own default process group is pinned to).
+    assert len(facing) >= 1 + 2 + 2 + 4, result["listeners"]
+    survivors = [tmp_path / "node-a", tmp_path / "node-a.rank1"]
+    restarted = [tmp_path / "node-b", tmp_path / "node-b.rank1"]
+    killed = min(r["kill"] for out in restarted for r in _records(out) if "kill" in r)
+    for out in survivors:
+        records = _steps([out])
+        assert len({r["pid"] for r in records}) == 1, f"{out.name} was restarted"
+        after = next(r for r in records if r["t"] > killed)["t"] - killed
+        print(f"{out.name} committed its next step {after:.2f} s after the kill")
+        assert after < 2.0, logs[-4000:]
+    for out in restarted:
+        assert len({r["pid"] for r in _steps([out])}) == 2, f"{out.name} was not started again"
+        assert next(r for r in _steps([out]) if r["t"] > killed)["step"] > 30, f"{out.name} started over"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(survivors + restarted, survivors + restarted)
 
 
 @pytest.mark.timeout(300)

@@ -94,7 +94,8 @@ ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("clusters.md", 1)}
 
 #: What a block needs to run on one 2-core machine, by (page, index): ``nodes`` (2: every line that names
 #: ``--nnodes 2`` is started twice at once, one "node" each, on loopback) and the text it changes, each with
-#: its reason; ``expect`` is what the output must show (``times`` lines that match it, all ``same`` if asked).
+#: its reason (``each``: what changes in each copy of such a line); ``expect`` is what the output must show
+#: (``times`` lines that match it, all ``same`` if asked).
 RUNS: dict[tuple[str, int], dict[str, Any]] = {
     # the second run finds the first's finished checkpoint in runs/digits, says so and reports its accuracy
     ("getting-started.md", 1): {
@@ -111,6 +112,20 @@ RUNS: dict[tuple[str, int], dict[str, Any]] = {
     ("fault-tolerance.md", 0): {"expect": r"^validation accuracy (0\.[89]\d\d)$", "times": 3, "same": True},
     # two groups of two ranks: each group's rank 0 prints, the same accuracy as the three groups above
     ("fault-tolerance.md", 1): {"expect": r"^validation accuracy (0\.[89]\d\d)$", "times": 2, "same": True},
+    ("fault-tolerance.md", 2): {
+        "nodes": 2,
+        # node001 is the lighthouse's node: 127.0.0.1 and a free port here; 2 ranks a node on 2 cores
+        "replace": {"node001:29510": "127.0.0.1:{port}", "-n 4": "-n 2"},
+        # both "nodes" are this machine, with one host name: each copy names its group
+        "each": [
+            {"--max-restarts": "--replica-id node-a --max-restarts"},
+            {"--max-restarts": "--replica-id node-b --max-restarts"},
+        ],
+        "secret": True,
+        "expect": r"^validation accuracy (0\.[89]\d\d)$",
+        "times": 2,
+        "same": True,
+    },
     ("clusters.md", 0): {
         "nodes": 2,  # node001 is the first node's host name; the ranks of 4 GPUs a node are one CPU rank here
         "replace": {"node001:29400": "127.0.0.1:{port}", "-n 8": "-n 1", "train.py": "examples/train.py"},

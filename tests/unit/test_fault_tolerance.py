@@ -256,15 +256,25 @@ def _survivors_wait_for_the_restart(tmp_path: Path) -> dict[str, str]:
     return {"FT_RESTART_MARKER": marker, "FT_WAIT_FOR": marker, "FT_WAIT_AT": "34"}
 
 
-def test_ddpkit_run_fault_tolerance_is_one_machines_and_says_how_to_go_further(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29510"], "--nnodes 1:2: one replica group a node"),
+        (["--nnodes", "2"], "--rdzv-endpoint HOST:PORT, the same on every node: where the lighthouse listens"),
+        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--group-size", "2"], "--group-size 2: with --nnodes"),
+        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29510"], "needs the job secret: its lighthouse and its"),
+        (["--replica-id", "a"], "--replica-id names a node's group: it goes with --fault-tolerance --nnodes N"),
+    ],
+)
+def test_ddpkit_run_fault_tolerance_on_several_nodes_names_what_it_lacks(
+    arguments: list[str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from ddpkit._secret import SECRET_VARIABLE
     from ddpkit.cli import main
 
-    assert main(["run", "--fault-tolerance", "--nnodes", "2", "-n", "2", "tests/e2e/ft_trainloop.py"]) == 2
-    said = capsys.readouterr().err
-    assert "replica groups of one machine (not --nnodes 2" in said, said
-    assert "TORCHFT_LIGHTHOUSE and REPLICA_GROUP_ID" in said, said
+    monkeypatch.delenv(SECRET_VARIABLE, raising=False)
+    assert main(["run", "--fault-tolerance", "-n", "2", *arguments, "tests/e2e/ft_trainloop.py"]) == 2
+    assert said in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -11,16 +11,25 @@ processes.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Sequence
 
 from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
-from ddpkit.fault_tolerance._lighthouse import serve_lighthouse
+from ddpkit.errors import RendezvousFailedError
+from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
 from ddpkit.fault_tolerance._settings import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
+from ddpkit.fault_tolerance._torchft import bracketed, url_host
 
-__all__ = ["run_replica_groups"]
+__all__ = ["run_node_group", "run_replica_groups", "serve_until_interrupted"]
+
+#: Seconds the node that serves the lighthouse keeps it up, once its own group ended, while other groups heartbeat.
+AFTER_OWN_GROUP_S = 120.0
 
 
 def run_replica_groups(
@@ -47,6 +56,99 @@ def run_replica_groups(
         return _run_groups(script, script_args, groups, group_size, served.address, max_restarts, module)
 
 
+def run_node_group(
+    script: str, script_args: Sequence[str], *, nnodes: int, endpoint: str, nprocs: int | None,
+    replica_id: str | None = None, max_restarts: int = 0, module: bool = False, min_replicas: int = 1,
+) -> int:  # fmt: skip
+    """This node's replica group of a fault-tolerant job of ``nnodes`` nodes, one group a node: ``ddpkit run -n
+    nprocs`` of ``script`` under an agent of its own (its ranks restarted together up to ``max_restarts`` times),
+    named ``replica_id`` (default this machine's host name), with torchft's lighthouse at ``endpoint``
+    (``HOST:PORT``). The node whose address ``HOST`` is serves the lighthouse there (unless another process of
+    this machine does already), and keeps serving it once its own group ended while other groups still
+    heartbeat (up to :data:`AFTER_OWN_GROUP_S` seconds). Every group's first step waits for ``nnodes`` groups.
+    Returns the group's exit status (130 after Ctrl-C or SIGTERM).
+
+    Raises:
+        ValueError: no job secret (``--secret-file`` or ``DDPKIT_JOB_SECRET``: the lighthouse and the groups' ports
+            face the network), ``endpoint`` not ``HOST:PORT``, or ``nnodes`` below 1.
+        ImportError: torchft is not installed (the message says how to install it).
+    """
+    secret = job_secret()
+    if secret is None:
+        raise ValueError(
+            f"a fault-tolerant job on {nnodes} nodes needs the job secret: its lighthouse and its groups' ports face "
+            "the network, and every quorum's members prove they hold it. Give every node the same file with "
+            "--secret-file FILE (or DDPKIT_JOB_SECRET)"
+        )
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or nnodes < 1:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r} with --nnodes {nnodes}: give HOST:PORT and nnodes >= 1")
+    host = url_host(f"{host}:{port}")
+    name = replica_id or socket.gethostname()
+    served = _lighthouse_here(host, int(port), min_replicas)
+    lighthouse = served.address if served is not None else f"http://{bracketed(host)}:{port}"
+    where = "served by this node" if served is not None else "served by another node"
+    print(f"ddpkit: replica group {name!r} ({nprocs or 'one per GPU, or 1'} ranks), one of {nnodes}; torchft's "
+          f"lighthouse at {lighthouse}, {where}", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        child = _start_group(script, script_args, name, nprocs, lighthouse, max_restarts, module, secret.decode(),
+                             nnodes)  # fmt: skip
+        status = _wait([child])[0]
+        if served is not None and status != 130:
+            _serve_while_others_heartbeat(served)
+        return status
+    finally:
+        if served is not None:
+            served.shutdown()
+
+
+def _lighthouse_here(host: str, port: int, min_replicas: int) -> Lighthouse | None:
+    """The lighthouse served on ``host:port`` by this process, or ``None`` when ``host`` is not this machine's
+    address or another process of this machine serves that port already (a second "node" of one machine)."""
+    try:
+        return serve_lighthouse(host, port, min_replicas=min_replicas)
+    except RendezvousFailedError:  # not this machine's address
+        return None
+    except Exception as error:  # torchft's bind error: taken, by the lighthouse another node here serves
+        if "in use" not in str(error).lower():
+            raise
+        return None
+
+
+def _serve_while_others_heartbeat(served: Lighthouse) -> None:
+    """Keep ``served`` up while some replica group still heartbeats to it (read from its status page), for at
+    most :data:`AFTER_OWN_GROUP_S` seconds."""
+    deadline = time.monotonic() + AFTER_OWN_GROUP_S
+    said = False
+    while time.monotonic() < deadline:
+        try:
+            status = urllib.request.urlopen(f"{served.address}/status", timeout=5).read().decode()
+        except OSError:
+            return
+        found = re.search(r"\[(\d+) heartbeating\]", status)
+        if found is None or found.group(1) == "0":
+            return
+        if not said:
+            print(f"ddpkit: this node's group ended; the lighthouse serves the {found.group(1)} group(s) still "
+                  "heartbeating until they end", file=sys.stderr, flush=True)  # fmt: skip
+            said = True
+        time.sleep(0.5)
+
+
+def serve_until_interrupted(host: str, port: int, min_replicas: int = 1) -> int:
+    """``ddpkit lighthouse``: serve torchft's lighthouse on ``host:port`` until Ctrl-C or SIGTERM (status 0)."""
+    with serve_lighthouse(host, port, min_replicas=min_replicas) as served:
+        print(f"ddpkit: torchft's lighthouse at {served.address} (Ctrl-C stops it)", file=sys.stderr, flush=True)
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def _run_groups(
     script: str, script_args: Sequence[str], groups: int, size: int, lighthouse: str, max_restarts: int,
     module: bool,
@@ -63,14 +165,15 @@ def _start_group(
     script: str,
     script_args: Sequence[str],
     replica_id: str,
-    size: int,
+    size: int | None,
     lighthouse: str,
     max_restarts: int,
     module: bool,
     secret: str,
     groups: int,
 ) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "ddpkit", "run", "-n", str(size), "--max-restarts", str(max_restarts)]
+    command = [sys.executable, "-m", "ddpkit", "run", *(["-n", str(size)] if size else []),
+               "--max-restarts", str(max_restarts)]  # fmt: skip
     command += ["-m"] if module else []
     env = {**os.environ, LIGHTHOUSE_VARIABLE: lighthouse, REPLICA_ID_VARIABLE: replica_id, SECRET_VARIABLE: secret,
            GROUPS_VARIABLE: str(groups)}  # fmt: skip

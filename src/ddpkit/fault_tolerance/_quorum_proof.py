@@ -13,7 +13,9 @@ in this group without sending or receiving any state (the next quorum configures
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -25,17 +27,26 @@ from ddpkit.fault_tolerance._torchft import torchft_module
 
 __all__ = ["proven_gloo"]
 
+#: Keeps two groups' constructions apart while torchft's gloo class is swapped for one bound to an address.
+_BINDING = threading.Lock()
 
-def proven_gloo(secret: bytes | None, timeout: float, replica_ids: Callable[[], Sequence[str]]) -> Any:
-    """torchft's ``ProcessGroupGloo`` whose members prove ``secret`` at every configuration (none without one).
+
+def proven_gloo(
+    secret: bytes | None, timeout: float, replica_ids: Callable[[], Sequence[str]], address: str | None = None
+) -> Any:
+    """torchft's ``ProcessGroupGloo`` whose members prove ``secret`` at every configuration (none without one),
+    its gloo device on ``address``.
 
     Args:
         secret: the job secret; ``None``: torchft's group as it is.
         timeout: seconds each collective (the proof's two all-gathers included) may take.
         replica_ids: the replica ids of the quorum being configured, in rank order (for the messages).
+        address: this machine's address that the other groups reach (gloo listens and advertises there, whatever
+            ``GLOO_SOCKET_IFNAME`` says: ddpkit pins a one-machine group's default gloo to loopback with it);
+            ``None``: gloo's own choice.
     """
     group_class = _proven_class()
-    return group_class(timeout=timedelta(seconds=timeout), secret=secret, replica_ids=replica_ids)
+    return group_class(timeout=timedelta(seconds=timeout), secret=secret, replica_ids=replica_ids, address=address)
 
 
 @functools.cache
@@ -46,10 +57,11 @@ def _proven_class() -> type[Any]:
     class ProvenGloo(torchft.ProcessGroupGloo):  # type: ignore[misc, name-defined]
         """torchft's gloo group, proving its members at every configuration."""
 
-        def __init__(self, *, timeout: timedelta, secret: bytes | None, replica_ids: Callable[[], Sequence[str]]
-                     ) -> None:  # fmt: skip
+        def __init__(self, *, timeout: timedelta, secret: bytes | None, replica_ids: Callable[[], Sequence[str]],
+                     address: str | None) -> None:  # fmt: skip
             super().__init__(timeout=timeout)
             self._secret, self._ids, self._seconds = secret, replica_ids, timeout.total_seconds()
+            self._address = address
             self._forming: tuple[str, Callable[[], dict[int, str]]] = ("", dict)
 
         def configure(
@@ -94,9 +106,31 @@ def _proven_class() -> type[Any]:
 
                 store = SignedStore(store, self._secret, context, name_key)
                 self._signed = store  # torch holds only its C++ part, which cannot call its methods alone
-            return super()._create_pg(store, rank, world_size)
+            if self._address is None:
+                return super()._create_pg(store, rank, world_size)
+            with _gloo_on(torchft, self._address):
+                return super()._create_pg(store, rank, world_size)
 
     return ProvenGloo
+
+
+@contextmanager
+def _gloo_on(torchft: Any, address: str) -> Iterator[None]:
+    """Within the block, torchft's gloo groups get one device, on ``address`` (under :data:`_BINDING`)."""
+    original = torchft.BaseProcessGroupGloo
+
+    def bound(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+        options = original._Options()
+        options._timeout = timeout
+        options._devices = [original.create_device(hostname=address)]
+        return original(store, rank, size, options)
+
+    with _BINDING:
+        torchft.BaseProcessGroupGloo = bound
+        try:
+            yield
+        finally:
+            torchft.BaseProcessGroupGloo = original
 
 
 def _names(store_addr: str, size: int, ids: list[str], timeout: float) -> dict[int, str]:

@@ -103,7 +103,7 @@ class ReplicaGroup:
         self._replica_id, self._quorum_timeout = replica_id, quorum_timeout
         #: The job's groups that its first step waits for; ``None`` once it has started.
         self._starting = replica_groups if replica_groups is not None and replica_groups > 1 else None
-        self._group = proven_gloo(secret, timeout, lambda: [group_name(i) for i in self._quorum_ids])
+        self._group = proven_gloo(secret, timeout, lambda: [group_name(i) for i in self._quorum_ids], local)
         transport = TensorTransport(
             self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
             timeout,

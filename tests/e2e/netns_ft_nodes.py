@@ -1,0 +1,72 @@
+"""Two "nodes" of a fault-tolerant job, one replica group of two ranks each, in a network namespace of their own.
+
+Run by tests/e2e/test_fault_tolerance.py as ``unshare -n python -m tests.e2e.netns_ft_nodes OUTDIR``: the
+namespace has only its loopback, which carries the test addresses 10.77.0.1 (the lighthouse's host, named by
+``--rdzv-endpoint``) and 10.77.0.2; no packet leaves it. Each node is one command, as a user types it on each
+machine::
+
+    ddpkit run --fault-tolerance --nnodes 2 -n 2 --rdzv-endpoint 10.77.0.1:29510 --secret-file SECRET \\
+        --replica-id node-X --max-restarts 1 -m tests.e2e.ft_trainloop - - OUTDIR 30 DELAY
+
+(``--replica-id``: both "nodes" have this machine's host name). Both ranks of ``node-b`` SIGKILL themselves in
+step 30; its agent starts them again. Once both groups committed steps, this reads every socket the job's
+processes listen on; it then waits for both commands to end and writes ``result.json`` in OUTDIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.ft_trainloop import steps
+from tests.helpers import descendants, holds_within, listening_sockets
+
+HOST, OTHER = "10.77.0.1", "10.77.0.2"
+DELAY_S = "0.35"
+
+
+def main(out: Path) -> None:
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    for address in (HOST, OTHER):
+        subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", "lo"], check=True)
+    secret = out / "secret"
+    secret.write_bytes(os.urandom(32))
+    marker = str(out / "restarted")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "FT_KILL_GROUP": "node-b",
+           "FT_RESTART_MARKER": marker, "FT_WAIT_FOR": marker, "FT_WAIT_AT": "34"}  # fmt: skip
+    env.pop("DDPKIT_JOB_SECRET", None)
+    nodes: list[tuple[subprocess.Popen[bytes], Path]] = []
+    result: dict[str, Any] = {}
+    for name in ("node-a", "node-b"):  # node-a first: it serves the lighthouse (both could: one machine)
+        command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "--nnodes", "2", "-n", "2",
+                   "--rdzv-endpoint", f"{HOST}:29510", "--secret-file", str(secret), "--replica-id", name,
+                   "--max-restarts", "1", "-m", "tests.e2e.ft_trainloop", "-", "-", str(out), "30",
+                   DELAY_S]  # fmt: skip
+        log = out / f"{name}.log"
+        with open(log, "wb") as output:
+            nodes.append((subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env), log))
+        result[f"{name} said"] = holds_within(lambda log=log: "lighthouse at" in log.read_text(errors="replace"), 60)
+    outs = [out / name for name in ("node-a", "node-a.rank1", "node-b", "node-b.rank1")]
+    result["trained"] = holds_within(lambda: all(len(steps([o])) >= 5 for o in outs), 120)
+    if result["trained"]:
+        pids = [pid for node, _ in nodes for pid in descendants(node.pid)]
+        result["listeners"] = sorted(set(listening_sockets(pids)))
+    deadline = time.monotonic() + 240
+    for node, _ in nodes:
+        try:
+            node.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
+    result["codes"] = [node.returncode for node, _ in nodes]
+    result["logs"] = [log.read_text(errors="replace") for _, log in nodes]
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
