@@ -1,7 +1,7 @@
 """What per-step fault tolerance (torchft) costs and buys, against plain DDP and today's restart path, in one run.
 
     .venv/bin/pip install -c constraints.txt -e '.[ft]'     # torchft 0.2.0
-    python bench/fault_tolerance.py [--steps 300] [--rounds 3] [--step-delay 0.05]
+    python bench/fault_tolerance.py [--steps 300] [--rounds 3] [--step-delay 0.05] [--groups-only]
 
 This is the baseline for ddpkit's fault tolerance on torchft, measured before
 ddpkit has it: the floor its own per-step cost is set against, and the
@@ -23,6 +23,10 @@ recovery it has to keep. Every process is a fresh one, with one thread
    each item 2 ms late (I/O latency), in steps per second: DDP with 2
    DataLoader workers, and fault tolerance with none and with 2 (targets: the
    workers at least 1.5x, and within 10% of DDP with the same loader).
+   Then replica groups of 2 ranks on 4 processes (``--groups-only``: these alone): 2 groups as a plain torchft
+   loop written for such groups (``Manager(rank=, world_size=2)``, an ``all_reduce`` over the group's ranks,
+   then ``Manager.allreduce``) and through ddpkit's ``ReplicaGroup`` (target: at most 1.05x the torchft loop),
+   and plain DDP on the same 4 ranks.
 2. **Recovery**: from a SIGKILL of one process to the survivors' next
    optimizer step. torchft: 3 replicas, one killed; the survivors keep their
    processes and commit without it; the killed one is started again and heals
@@ -101,12 +105,12 @@ def _digits_step_parts(seed: int, loader: bool = False) -> tuple[Any, Any, Any, 
     return model, optimizer, batch, torch.nn.functional.cross_entropy
 
 
-def ddp_worker(rank: int, port: int, steps: int, out: str) -> None:
+def ddp_worker(rank: int, port: int, steps: int, out: str, world_size: int = 2) -> None:
     """One rank of plain DDP: the time at the end of each step, to ``out`` (JSON lines)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     model, optimizer, batch, loss_of = _digits_step_parts(rank)
     ddp = DistributedDataParallel(model)
     with open(out, "w") as log:
@@ -115,7 +119,8 @@ def ddp_worker(rank: int, port: int, steps: int, out: str) -> None:
             optimizer.zero_grad()
             loss_of(ddp(x), y).backward()
             optimizer.step()
-            log.write(json.dumps({"t": time.time(), "step": step, "committed": True, "participants": 2}) + "\n")
+            record = {"t": time.time(), "step": step, "committed": True, "participants": world_size}
+            log.write(json.dumps(record) + "\n")
     dist.destroy_process_group()
 
 
@@ -216,6 +221,119 @@ def ddpkit_worker(replica: str, lighthouse: str, steps: int, out: str) -> None:
             log.write(json.dumps(record) + "\n")  # as the torchft loop writes it
             log.flush()
     group.close()
+
+
+def group_worker(kind: str, group: int, rank: int, port: int, lighthouse: str, steps: int, out: str,
+                 delay: float = 0.0) -> None:  # fmt: skip
+    """Rank ``rank`` of replica group ``group``, a group of 2 ranks (its own gloo group on ``port``): a plain
+    torchft loop written for such groups (``kind`` "torchft": ``Manager(rank=, world_size=2)`` on the group's
+    store, the gradients averaged over the group's ranks by ``all_reduce`` and then over the groups by
+    ``Manager.allreduce``), or ddpkit's ``ReplicaGroup`` in the group's process group (``kind`` "ddpkit")."""
+    import torch
+    import torch.distributed as dist
+    import torchft.manager
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    from ddpkit.fault_tolerance import ReplicaGroup
+
+    if port:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    else:  # under an agent (torchrun, ddpkit run): the group's store and ranks from its variables
+        dist.init_process_group("gloo")
+        port = int(os.environ["MASTER_PORT"])
+    model, optimizer, batch, loss_of = _digits_step_parts(2 * group + rank)
+    parameters = list(model.parameters())
+
+    def save() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    if kind == "ddpkit":
+        replica = ReplicaGroup(lighthouse, f"g{group}", save, load, timeout=5.0, quorum_timeout=20.0)
+        start, average, commit = replica.start_step, replica.average_gradients, replica.commit
+
+        def participants() -> int:
+            return replica.participants
+    else:
+        server = torchft.manager.ManagerServer
+
+        def on_loopback(*args: Any, **kwargs: Any) -> Any:
+            return server(*args, **{**kwargs, "bind": "127.0.0.1:0"})
+
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+        torchft.manager.ManagerServer = on_loopback  # type: ignore[misc]
+        try:
+            manager = Manager(
+                pg=pg, min_replica_size=1, load_state_dict=load, state_dict=save, replica_id=f"g{group}",
+                store_addr="127.0.0.1", store_port=port, rank=rank, world_size=2, lighthouse_addr=lighthouse,
+                hostname="127.0.0.1", timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=20),
+                connect_timeout=timedelta(seconds=10),
+                checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
+            )  # fmt: skip
+        finally:
+            torchft.manager.ManagerServer = server  # type: ignore[misc]
+
+        def average(params: Any) -> bool:
+            flat = torch.cat([p.grad.reshape(-1) for p in parameters if p.grad is not None])
+            dist.all_reduce(flat)  # over the group's ranks
+            flat.div_(2)
+            manager.allreduce(flat).wait()  # over the groups
+            for parameter, part in zip(parameters, torch.split(flat, [p.numel() for p in parameters]), strict=True):
+                assert parameter.grad is not None
+                parameter.grad.copy_(part.view_as(parameter))
+            return True
+
+        start, commit, participants = manager.start_quorum, manager.should_commit, manager.num_participants
+    step = 0
+    with open(out, "w") as log:
+        while step < steps:
+            start()
+            x, y = batch()
+            optimizer.zero_grad()
+            loss_of(model(x), y).backward()
+            average(parameters)
+            committed = commit()
+            if committed:
+                optimizer.step()
+                step += 1
+            record = {"t": time.time(), "step": step, "committed": committed, "participants": participants(),
+                      "pid": os.getpid()}  # fmt: skip
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            time.sleep(delay)
+    if kind == "ddpkit":
+        replica.close()
+    else:
+        manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
+def per_step_groups(work: Path, steps: int, rounds: int) -> dict[str, list[float]]:
+    """Median seconds per step of each round on 4 processes: plain DDP of 4 ranks, and 2 replica groups of 2
+    ranks as a plain torchft loop and through ddpkit's ``ReplicaGroup``."""
+    kinds = ("ddp4", "torchft2x2", "ddpkit2x2")
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for round_ in range(rounds):
+        for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
+            outs = [work / f"{kind}-{round_}-{rank}.jsonl" for rank in range(4)]
+            logs = [work / f"{kind}-{round_}-{rank}.log" for rank in range(4)]
+            lighthouse = _lighthouse(2) if kind != "ddp4" else None
+            if lighthouse is None:
+                port = str(_free_port())
+                args = [["--ddp-worker", str(rank), port, str(steps), str(outs[rank]), "4"] for rank in range(4)]
+            else:
+                ports = [str(_free_port()) for _ in range(2)]
+                args = [["--group-worker", kind.removesuffix("2x2"), str(rank // 2), str(rank % 2), ports[rank // 2],
+                         lighthouse.address(), str(steps), str(outs[rank])] for rank in range(4)]  # fmt: skip
+            _finish([_spawn(a, log) for a, log in zip(args, logs, strict=True)], logs)
+            if lighthouse is not None:
+                lighthouse.shutdown()
+            seconds[kind].append(max(_step_seconds(out) for out in outs))
+    return seconds
 
 
 class _SlowItems:
@@ -336,6 +454,40 @@ def per_step(work: Path, steps: int, rounds: int) -> dict[str, list[float]]:
     return seconds
 
 
+def group_recovery(work: Path, kind: str, delay: float, round_: int = 0) -> float:
+    """2 replica groups of 2 ranks (``kind``: "torchft" or "ddpkit", as :func:`group_worker`), each under an agent
+    of its own as such groups are run (``torchrun --standalone --nproc-per-node 2``, ``ddpkit run -n 2``; no
+    restarts); SIGKILL rank 1 of group 1 after 40 steps committed together: seconds from the kill to group 0's
+    next commit (its ranks' later one). The agent stops the dead rank's peer, whose torchft manager server would
+    otherwise keep the group in the lighthouse's view (heartbeating) while waiting for the dead rank's vote."""
+    lighthouse = _lighthouse(2)
+    agent = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "--max-restarts", "0", "--monitor-interval", "0.1"] if kind == "torchft"
+             else [sys.executable, "-m", "ddpkit", "run", "-n", "2", "--max-restarts", "0"])  # fmt: skip
+    outs = [work / f"recovery-{kind}-{round_}-{group}" for group in range(2)]
+    agents = []
+    for group in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "TORCHFT_LIGHTHOUSE": lighthouse.address(),
+               "REPLICA_GROUP_ID": f"g{group}"}  # fmt: skip
+        log = Path(f"{outs[group]}.log")
+        command = [*agent, __file__, "--agent-group-worker", kind, str(group), str(outs[group]), str(delay)]
+        with open(log, "wb") as output:
+            agents.append(subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True))  # fmt: skip
+    victim = Path(f"{outs[1]}-1.jsonl")
+    _wait_for(lambda: sum(r["committed"] and r["participants"] == 2 for r in _records(victim)) >= 40,
+              "40 steps of group 1 committed with group 0")  # fmt: skip
+    os.kill(_records(victim)[-1]["pid"], signal.SIGKILL)
+    killed = time.time()
+    _finish(agents[:1], [Path(f"{outs[0]}.log")])
+    if agents[1].poll() is None:
+        os.killpg(agents[1].pid, signal.SIGKILL)
+    agents[1].wait()
+    lighthouse.shutdown()
+    survivors = [Path(f"{outs[0]}-{rank}.jsonl") for rank in range(2)]
+    return max(min(r["t"] for r in _records(out) if r["committed"] and r["t"] > killed) for out in survivors) - killed
+
+
 def _wait_for(condition: Any, what: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -434,7 +586,16 @@ def _inside_netns() -> bool:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
-        ddp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        ddp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int((sys.argv[6:] or [2])[0]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--agent-group-worker":  # KIND GROUP OUT DELAY, under an agent
+        rank = int(os.environ["RANK"])
+        group_worker(sys.argv[2], int(sys.argv[3]), rank, 0, os.environ["TORCHFT_LIGHTHOUSE"], 200,
+                     f"{sys.argv[4]}-{rank}.jsonl", float(sys.argv[5]))  # fmt: skip
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--group-worker":
+        group_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6],
+                     int(sys.argv[7]), sys.argv[8], float((sys.argv[9:] or [0.0])[0]))  # fmt: skip
         return
     if len(sys.argv) > 1 and sys.argv[1] in ("--torchft-worker", "--torchft-loader-worker"):
         loader = sys.argv[1] == "--torchft-loader-worker"
@@ -451,6 +612,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-delay", type=float, default=0.05)
+    parser.add_argument("--groups-only", action="store_true", help="only the replica groups of 2 ranks")
     args = parser.parse_args()
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse (in this process) logs every quorum at info
     try:
@@ -461,7 +623,15 @@ def main() -> None:
     where = "in a network namespace of its own" if os.environ.get(_NETNS) else "on this machine's network"
     with tempfile.TemporaryDirectory(prefix="ddpkit-ft-bench-") as directory:
         work = Path(directory)
-        seconds = per_step(work, args.steps, args.rounds)
+        seconds = {} if args.groups_only else per_step(work, args.steps, args.rounds)
+        seconds.update(per_step_groups(work, args.steps, args.rounds))
+        recoveries: dict[str, list[float]] = {"torchft": [], "ddpkit": []}
+        for round_ in range(args.rounds):  # alternating
+            for kind in ("torchft", "ddpkit") if round_ % 2 == 0 else ("ddpkit", "torchft"):
+                recoveries[kind].append(group_recovery(work, kind, args.step_delay, round_))
+        if args.groups_only:
+            _print_groups(seconds, recoveries, args)
+            return
         ft = torchft_recovery(work, args.step_delay)
         restart = restart_recovery(work, args.step_delay)
     ddp, torchft_step, ddpkit_step = (statistics.median(seconds[k]) for k in ("ddp", "torchft", "ddpkit"))
@@ -494,6 +664,7 @@ def main() -> None:
     print(f"  fault tolerance, 2 workers      {1 / io_ft2:7.1f}")
     print(f"  speed-up of the 2 workers       {ratio('io-ft-0', 'io-ft-2')}  (target >= 1.5)")
     print(f"  fault tolerance / DDP, workers  {ratio('io-ddp-2', 'io-ft-2')}  (steps/s; target >= 0.9)")
+    _print_groups(seconds, recoveries, args)
     print(f"recovery from a SIGKILL (step delay {args.step_delay} s):")
     print(f"  torchft, 3 replicas: survivors' next commit {ft['next_commit']:6.2f} s after the kill "
           f"(same processes: {ft['kept_pids']}; steps not committed: {ft['failed_steps']}); the restarted "
@@ -501,6 +672,28 @@ def main() -> None:
           f"{ft['rejoined']:.2f} s after its start")  # fmt: skip
     print(f"  restart path, ddpkit run --nnodes 1:2: next step {restart['next_step']:6.2f} s after the kill, "
           f"{restart['redone_steps']} step(s) done again (since the last checkpoint)")  # fmt: skip
+
+
+def _print_groups(seconds: dict[str, list[float]], recoveries: dict[str, list[float]], args: argparse.Namespace
+                  ) -> None:  # fmt: skip
+    def ratio(top: str, bottom: str) -> str:
+        ratios = [t / b for t, b in zip(seconds[top], seconds[bottom], strict=True)]
+        return f"{statistics.median(ratios):7.2f}   (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+
+    ddp4, plain, ours = (statistics.median(seconds[k]) for k in ("ddp4", "torchft2x2", "ddpkit2x2"))
+    print(f"per step, 4 processes, {args.rounds} alternating rounds of {args.steps} steps (median of rounds):")
+    print(f"  plain DDP, 4 ranks              {ddp4 * 1e3:7.2f} ms")
+    print(f"  plain torchft, 2 groups of 2    {plain * 1e3:7.2f} ms  ({(plain - ddp4) * 1e3:+.2f} ms)")
+    print(f"  ddpkit ReplicaGroup, 2 of 2     {ours * 1e3:7.2f} ms  ({(ours - ddp4) * 1e3:+.2f} ms)")
+    print(f"  ratio ddpkit / torchft          {ratio('ddpkit2x2', 'torchft2x2')}  (the issue's target: <= 1.05)")
+    print(f"  ratio ddpkit / DDP              {ratio('ddpkit2x2', 'ddp4')}")
+    plain_s, ours_s = statistics.median(recoveries["torchft"]), statistics.median(recoveries["ddpkit"])
+    print(f"recovery, 2 groups of 2, rank 1 of one group SIGKILLed (step delay {args.step_delay} s), the other's "
+          f"next commit after the kill (median of {args.rounds}):")  # fmt: skip
+    each = {kind: ", ".join(f"{x:.2f}" for x in values) for kind, values in recoveries.items()}
+    print(f"  plain torchft loop              {plain_s:6.2f} s  (each: {each['torchft']})")
+    print(f"  ddpkit ReplicaGroup             {ours_s:6.2f} s  (each: {each['ddpkit']})")
+    print(f"  ratio ddpkit / torchft          {ours_s / plain_s:7.2f}   (the issue's target: <= 1.1)")
 
 
 if __name__ == "__main__":

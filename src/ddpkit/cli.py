@@ -291,12 +291,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_replica_groups(args: argparse.Namespace) -> int:
-    if scheduler_environment() is not None:
+    scheduler = scheduler_environment()
+    one_a_node = os.environ.get("SLURM_LOCALID", "0") == "0"
+    if scheduler is not None and (scheduler.name != "slurm" or args.nnodes == "1" or not one_a_node):
         return _fail(
             "run",
-            "--fault-tolerance starts the replica groups itself, not as a task of srun or mpirun: run it once a "
-            "node (srun --ntasks-per-node 1 ddpkit run --fault-tolerance --nnodes N ...; see the documentation's "
-            "fault-tolerance page, docs/fault-tolerance.md)",
+            "--fault-tolerance starts the replica groups itself: under srun, run it as one task a node with "
+            "--nnodes (srun --ntasks-per-node 1 ddpkit run --fault-tolerance --nnodes $SLURM_NNODES ...), not as "
+            f"one of several tasks of {scheduler.name} on a node (see the documentation's fault-tolerance page, "
+            "docs/fault-tolerance.md)",
             status=2,
         )
     if args.nnodes != "1":
@@ -341,7 +344,8 @@ def _run_node_group(args: argparse.Namespace) -> int:
     try:
         return run_node_group(
             args.script, args.script_args, nnodes=int(args.nnodes), endpoint=args.rdzv_endpoint, nprocs=args.nprocs,
-            replica_id=args.replica_id, max_restarts=args.max_restarts, module=args.module,
+            replica_id=args.replica_id or os.environ.get("SLURMD_NODENAME"), max_restarts=args.max_restarts,
+            module=args.module,
         )  # fmt: skip
     except ValueError as error:
         return _fail("run", error, status=2)
@@ -356,7 +360,7 @@ def _lighthouse(args: argparse.Namespace) -> int:
         return serve_until_interrupted(args.host, args.port, args.min_replicas)
     except ValueError as error:
         return _fail("lighthouse", error, status=2)
-    except (ImportError, RendezvousFailedError) as error:
+    except (ImportError, RendezvousFailedError, PortTakenError) as error:
         return _fail("lighthouse", error)
 
 

@@ -38,6 +38,10 @@ torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not i
 STEPS = 300
 KILL_AT = 40
 STEP_DELAY_S = 0.35
+#: Seconds from a kill to the survivors' next commit that tell "one step lost" from "a restart": 1.0-1.5 s on a
+#: quiet 2-core machine (bench/fault_tolerance.py measures it), up to 3 s while another test loads the cores
+#: (a quorum then splits: a group late by the lighthouse's 0.5 s join timeout); a restart takes 7-20 s.
+NEXT_COMMIT_S = 4.0
 
 
 def _spawn(replica: str, lighthouse: str, out: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -79,8 +83,9 @@ def test_a_killed_replica_costs_the_others_a_step_not_a_restart_and_comes_back_w
     tmp_path: Path,
 ) -> None:
     """Three replica groups of one process; SIGKILL one after 40 steps. The other two keep their processes
-    and commit their next step within 2 s; the killed one, started again, takes the weights from a peer and
-    commits with all three; every server listens on 127.0.0.1 only; all three end with the same weights."""
+    and commit their next step within NEXT_COMMIT_S (4 s); the killed one, started again, takes the weights
+    from a peer and commits with all three; every server listens on 127.0.0.1 only; all three end with the same
+    weights."""
     outs = [tmp_path / f"r{i}" for i in range(3)]
     marker = str(tmp_path / "restarted")
     waits = {"FT_RESTART_MARKER": marker, "FT_WAIT_FOR": marker, "FT_WAIT_AT": str(KILL_AT + 30)}
@@ -102,7 +107,7 @@ def test_a_killed_replica_costs_the_others_a_step_not_a_restart_and_comes_back_w
         records = _records(out)
         assert {r["pid"] for r in records} == {process.pid}, "a survivor was restarted"
         first = next(r for r in records if r["t"] > killed and r["committed"])
-        assert first["t"] - killed < 2.0, f"next commit {first['t'] - killed:.2f} s after the kill"
+        assert first["t"] - killed < NEXT_COMMIT_S, f"next commit {first['t'] - killed:.2f} s after the kill"
         assert max(r["step"] for r in records) == STEPS
     back = [r for r in _records(again) if r["committed"]]
     assert back[0]["step"] > KILL_AT, "the restarted replica started over instead of healing from a peer"
@@ -162,7 +167,7 @@ def test_a_trainloop_replica_killed_mid_epoch_costs_a_step_and_the_run_ends_as_o
 ) -> None:
     """Three TrainLoop replica groups (global batch 64); one SIGKILLs itself inside step 30 (the middle of
     epoch 2), 0.5 s into it: the two others are then waiting for it inside the gradients' all-reduce. They
-    keep their processes, do that step between them and commit within 2 s of the kill, as after a kill
+    keep their processes, do that step between them and commit within NEXT_COMMIT_S (4 s) of the kill, as after a kill
     between steps; the killed one, started again, takes the state from a peer and trains again in a quorum
     of three. Every item is in exactly one committed step per epoch, and the weights equal one process's
     (< 1e-5)."""
@@ -183,7 +188,7 @@ def test_a_trainloop_replica_killed_mid_epoch_costs_a_step_and_the_run_ends_as_o
         assert {r["pid"] for r in records} == {process.pid}, "a survivor was restarted"
         first = next(r for r in records if r["t"] > killed)
         print(f"{out.name} committed step {first['step']} {first['t'] - killed:.2f} s after the kill")
-        assert first["t"] - killed < 2.0, f"next commit {first['t'] - killed:.2f} s after the kill"
+        assert first["t"] - killed < NEXT_COMMIT_S, f"next commit {first['t'] - killed:.2f} s after the kill"
         assert (first["step"], first["groups"]) == (30, 2), "the lost step was not redone by the two others"
         log = Path(f"{out}.log").read_text()
         # r2 died while it computed its share: in the quorum of step 31 (which then failed: "step 31 was not
@@ -340,7 +345,7 @@ def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_
         assert len({r["pid"] for r in records}) == 1, "a survivor was restarted"
         first = next(r for r in records if r["t"] > killed)
         print(f"{out.name} committed step {first['step']} {first['t'] - killed:.2f} s after the kill")
-        assert first["t"] - killed < 2.0, (
+        assert first["t"] - killed < NEXT_COMMIT_S, (
             f"next commit {first['t'] - killed:.2f} s after the kill: {done.stderr[-4000:]}"
         )
     back = [r for r in _steps([outs[2]]) if r["t"] > killed]
@@ -354,8 +359,9 @@ def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_
 def test_replica_groups_of_two_ranks_lose_a_rank_restart_that_group_and_end_as_one_process(tmp_path: Path) -> None:
     """`ddpkit run --fault-tolerance -n 4 --group-size 2 --max-restarts 1`: two replica groups of two ranks
     each. Rank 1 of group-1 SIGKILLs itself inside step 30: group-1's agent restarts both its ranks, which take
-    group-0's state; group-0 keeps its processes and commits within 2 s. Every item once per epoch over the
-    four ranks' shares; each rank's final weights within 1e-5 of one process with the same global batch."""
+    group-0's state; group-0 keeps its processes and commits within NEXT_COMMIT_S (4 s). Every item once per
+    epoch over the four ranks' shares; each rank's final weights within 1e-5 of one process with the same global
+    batch."""
     command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", "4", "--group-size", "2",
                "--max-restarts", "1", "-m", "tests.e2e.ft_trainloop", "-", "-", str(tmp_path), "30",
                str(STEP_DELAY_S), str(tmp_path / "checkpoints")]  # fmt: skip
@@ -377,7 +383,7 @@ def test_replica_groups_of_two_ranks_lose_a_rank_restart_that_group_and_end_as_o
         first = next(r for r in records if r["t"] > killed)
         print(f"{out.name} committed step {first['step']} {first['t'] - killed:.2f} s after the kill")
         after = first["t"] - killed
-        assert after < 2.0, f"next commit {after:.2f} s after the kill: {done.stderr[-4000:]}"
+        assert after < NEXT_COMMIT_S, f"next commit {after:.2f} s after the kill: {done.stderr[-4000:]}"
     for out in restarted:
         assert len({r["pid"] for r in _steps([out])}) == 2, f"{out.name} was not started again"
         back = [r for r in _steps([out]) if r["t"] > killed]
@@ -394,14 +400,14 @@ def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ran
     """Two "nodes" (test addresses 10.77.0.1 and 10.77.0.2 in a network namespace of the test's own), each
     `ddpkit run --fault-tolerance --nnodes 2 -n 2 --rdzv-endpoint 10.77.0.1:29510 --secret-file F`: node-a serves
     the lighthouse. Both ranks of node-b SIGKILL themselves in step 30: its agent restarts them and they heal from
-    node-a, which keeps its processes and commits within 2 s. Every item once per epoch; every rank's weights
-    within 1e-5 of one process; every listener on a test address or loopback."""
+    node-a, which keeps its processes and commits within NEXT_COMMIT_S (4 s). Every item once per epoch; every
+    rank's weights within 1e-5 of one process; every listener on a test address or loopback."""
     result = in_a_namespace("", tmp_path, module="tests.e2e.netns_ft_nodes", timeout=320)
     logs = "\n".join(result["logs"])
     assert result["codes"] == [0, 0], logs[-4000:]
     assert result["trained"], logs[-4000:]
-    assert "torchft's lighthouse at http://10.77.0.1:29510, served by this node" in result["logs"][0], logs[-3000:]
-    assert "served by another node" in result["logs"][1], logs[-3000:]
+    assert "torchft's lighthouse at http://10.77.0.1:29510, served by this command" in result["logs"][0], logs[-3000:]
+    assert "served by another process" in result["logs"][1], logs[-3000:]
     assert "ddpkit: replica group node-b: restart 1 of 1: local rank " in result["logs"][1], logs[-3000:]
     listeners = {address for address, _ in result["listeners"]}
     assert listeners <= {"10.77.0.1", "10.77.0.2", "127.0.0.1"}, result["listeners"]
@@ -417,7 +423,7 @@ def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ran
         assert len({r["pid"] for r in records}) == 1, f"{out.name} was restarted"
         after = next(r for r in records if r["t"] > killed)["t"] - killed
         print(f"{out.name} committed its next step {after:.2f} s after the kill")
-        assert after < 2.0, logs[-4000:]
+        assert after < NEXT_COMMIT_S, logs[-4000:]
     for out in restarted:
         assert len({r["pid"] for r in _steps([out])}) == 2, f"{out.name} was not started again"
         assert next(r for r in _steps([out]) if r["t"] > killed)["step"] > 30, f"{out.name} started over"

@@ -7,6 +7,7 @@ sets DDPKIT_REQUIRE_SCHEDULERS=1, which turns a skip into a failure.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -47,10 +48,10 @@ def _wait(job: str, cwd: Path, timeout: float = 150) -> tuple[str, str]:
 # --- Slurm ----------------------------------------------------------------------------------------
 
 
-def _guide_job_script() -> str:
-    guide = (ROOT / "docs" / "clusters.md").read_text()
+def _guide_job_script(page: str = "clusters.md") -> str:
+    guide = (ROOT / "docs" / page).read_text()
     found = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", guide, re.DOTALL)
-    assert found is not None, "the clusters guide has no sbatch job script"
+    assert found is not None, f"{page} has no sbatch job script"
     return found.group(1)
 
 
@@ -64,6 +65,49 @@ def test_the_clusters_guides_job_script_trains_on_two_nodes(tmp_path: Path) -> N
     shown, output = _wait(_submit(script, tmp_path), tmp_path)
     assert "JobState=COMPLETED" in shown, shown + output
     assert re.search(r"^2 ranks, 10 epochs: validation accuracy 0\.9\d+$", output, re.M), output
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_the_fault_tolerance_guides_job_script_loses_a_node_and_the_other_finishes_the_run(tmp_path: Path) -> None:
+    """The fault-tolerance guide's sbatch script on the two-node cluster, one rank a node: the lighthouse on the
+    batch host, one `ddpkit run --fault-tolerance --nnodes 2` task a node (each node one replica group, named by
+    its Slurm node). node002's group SIGKILLs itself in step 30 and is not restarted: node001 commits its next
+    step within seconds and finishes the run alone; every item once per epoch, the weights of one process."""
+    pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+    from tests.e2e.ft_trainloop import check_against_one_process, records, steps
+    from tests.e2e.test_fault_tolerance import NEXT_COMMIT_S
+
+    script = _guide_job_script("fault-tolerance.md")
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    changes = {
+        # the test cluster's node names resolve to 127.0.0.1, which a lighthouse for other machines refuses
+        'HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': "HOST=127.0.0.1",
+        "-n 4": "-n 1",  # one rank a node on 2 cores
+        "--max-restarts 3": "--max-restarts 0",  # the node's group is lost for good
+        "~/.ddpkit-secret": str(secret),
+        "examples/fault_tolerant.py": f"-m tests.e2e.ft_trainloop - - {tmp_path} 30 0.35",
+        "#SBATCH --gpus-per-node=4\n": "export OMP_NUM_THREADS=1 RUST_LOG=warn FT_KILL_GROUP=node002\n",
+    }
+    for old, new in changes.items():
+        assert old in script, old
+        script = script.replace(old, new)
+    shown, output = _wait(_submit(script, tmp_path), tmp_path, timeout=260)
+    assert "replica group 'node001' (1 ranks), one of 2" in output, shown + output
+    assert "rank 0 failed (exit code -9): killed by signal SIGKILL" in output, output[-3000:]
+    assert "replica group 'node002' ended with exit status 1 (no restart left)" in output, output[-3000:]
+    assert "replica group node001 at step 31: node002 left the quorum" in output, output[-3000:]
+    assert "served by another process" in output, "the script's lighthouse serves the job"
+    assert "Traceback" not in output, output[-3000:]
+    survivor, lost = tmp_path / "node001", tmp_path / "node002"
+    killed = next(r["kill"] for r in records(lost) if "kill" in r)
+    after = next(r for r in steps([survivor]) if r["t"] > killed)["t"] - killed
+    print(f"node001 committed its next step {after:.2f} s after node002's group was killed")
+    assert after < NEXT_COMMIT_S, output[-3000:]
+    assert len({r["pid"] for r in steps([survivor])}) == 1, "node001 was restarted"
+    assert steps([survivor])[-1]["groups"] == 1, "node001 finished alone"
+    check_against_one_process([survivor, lost], [survivor])
 
 
 @pytest.mark.slurm

@@ -89,8 +89,9 @@ def shell_blocks() -> dict[tuple[str, int], str]:
 
 
 #: How the blocks that this test does not run itself run: the quick start is CI's own script, and the sbatch
-#: script is submitted to the two-node Slurm cluster by tests/e2e/test_schedulers.py.
-ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("clusters.md", 1)}
+#: scripts (the clusters guide's, the fault-tolerance guide's) are submitted to the two-node Slurm cluster by
+#: tests/e2e/test_schedulers.py.
+ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("clusters.md", 1), ("fault-tolerance.md", 3)}
 
 #: What a block needs to run on one 2-core machine, by (page, index): ``nodes`` (2: every line that names
 #: ``--nnodes 2`` is started twice at once, one "node" each, on loopback) and the text it changes, each with

@@ -21,7 +21,8 @@ import urllib.request
 from collections.abc import Sequence
 
 from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
-from ddpkit.errors import RendezvousFailedError
+from ddpkit.environments import CLUSTER_ENV_VARIABLE
+from ddpkit.errors import PortTakenError, RendezvousFailedError
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
 from ddpkit.fault_tolerance._settings import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
@@ -63,6 +64,7 @@ def run_node_group(
     """This node's replica group of a fault-tolerant job of ``nnodes`` nodes, one group a node: ``ddpkit run -n
     nprocs`` of ``script`` under an agent of its own (its ranks restarted together up to ``max_restarts`` times),
     named ``replica_id`` (default this machine's host name), with torchft's lighthouse at ``endpoint``
+    (under ``srun``, one task a node: the group's processes are this command's, not tasks of SLURM's),
     (``HOST:PORT``). The node whose address ``HOST`` is serves the lighthouse there (unless another process of
     this machine does already), and keeps serving it once its own group ended while other groups still
     heartbeat (up to :data:`AFTER_OWN_GROUP_S` seconds). Every group's first step waits for ``nnodes`` groups.
@@ -87,13 +89,16 @@ def run_node_group(
     name = replica_id or socket.gethostname()
     served = _lighthouse_here(host, int(port), min_replicas)
     lighthouse = served.address if served is not None else f"http://{bracketed(host)}:{port}"
-    where = "served by this node" if served is not None else "served by another node"
+    where = "served by this command" if served is not None else "served by another process"
     print(f"ddpkit: replica group {name!r} ({nprocs or 'one per GPU, or 1'} ranks), one of {nnodes}; torchft's "
           f"lighthouse at {lighthouse}, {where}", file=sys.stderr, flush=True)  # fmt: skip
     try:
         child = _start_group(script, script_args, name, nprocs, lighthouse, max_restarts, module, secret.decode(),
-                             nnodes)  # fmt: skip
+                             nnodes, {CLUSTER_ENV_VARIABLE: "local"})  # fmt: skip
         status = _wait([child])[0]
+        if status not in (0, 130):
+            print(f"ddpkit: replica group {name!r} ended with exit status {status} (no restart left): the other "
+                  "groups go on without it", file=sys.stderr, flush=True)  # fmt: skip
         if served is not None and status != 130:
             _serve_while_others_heartbeat(served)
         return status
@@ -136,8 +141,21 @@ def _serve_while_others_heartbeat(served: Lighthouse) -> None:
 
 
 def serve_until_interrupted(host: str, port: int, min_replicas: int = 1) -> int:
-    """``ddpkit lighthouse``: serve torchft's lighthouse on ``host:port`` until Ctrl-C or SIGTERM (status 0)."""
-    with serve_lighthouse(host, port, min_replicas=min_replicas) as served:
+    """``ddpkit lighthouse``: serve torchft's lighthouse on ``host:port`` until Ctrl-C or SIGTERM (status 0).
+
+    Raises:
+        PortTakenError: something listens on ``host:port`` already (a lighthouse a node's command serves, say).
+    """
+    try:
+        served = serve_lighthouse(host, port, min_replicas=min_replicas)
+    except RuntimeError as error:
+        if "in use" not in str(error).lower():
+            raise
+        raise PortTakenError(
+            f"port {port} of {host} is taken: another process serves it (the lighthouse of a node's `ddpkit run "
+            "--fault-tolerance`, when it started first?). Pick another --port, or stop that process"
+        ) from None
+    with served:
         print(f"ddpkit: torchft's lighthouse at {served.address} (Ctrl-C stops it)", file=sys.stderr, flush=True)
         previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
@@ -171,12 +189,13 @@ def _start_group(
     module: bool,
     secret: str,
     groups: int,
+    more: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "ddpkit", "run", *(["-n", str(size)] if size else []),
                "--max-restarts", str(max_restarts)]  # fmt: skip
     command += ["-m"] if module else []
     env = {**os.environ, LIGHTHOUSE_VARIABLE: lighthouse, REPLICA_ID_VARIABLE: replica_id, SECRET_VARIABLE: secret,
-           GROUPS_VARIABLE: str(groups)}  # fmt: skip
+           GROUPS_VARIABLE: str(groups), **(more or {})}  # fmt: skip
     return subprocess.Popen([*command, script, *script_args], env=env)
 
 
