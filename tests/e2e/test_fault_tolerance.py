@@ -44,6 +44,14 @@ STEP_DELAY_S = 0.35
 NEXT_COMMIT_S = 4.0
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def _spawn(replica: str, lighthouse: str, out: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "tests.e2e.ft_replica", replica, lighthouse, str(STEPS), str(out), "0.05"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **(env or {})}
@@ -407,7 +415,7 @@ def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ran
     assert result["codes"] == [0, 0], logs[-4000:]
     assert result["trained"], logs[-4000:]
     assert "torchft's lighthouse at http://10.77.0.1:29510, served by this command" in result["logs"][0], logs[-3000:]
-    assert "served by another process" in result["logs"][1], logs[-3000:]
+    assert "served by another process; the group's servers listen on 10.77.0.1" in result["logs"][1], logs[-3000:]
     assert "ddpkit: replica group node-b: restart 1 of 1: local rank " in result["logs"][1], logs[-3000:]
     listeners = {address for address, _ in result["listeners"]}
     assert listeners <= {"10.77.0.1", "10.77.0.2", "127.0.0.1"}, result["listeners"]
@@ -486,7 +494,8 @@ def collate(items):
 class KeepEachGroups(Callback):  # each group's weights, buffers and validation loss at each epoch's end
     def on_epoch_end(self, train_loop):
         kept = {"state": train_loop.model.state_dict(), "validation_loss": train_loop.state.history["validation_loss"]}
-        torch.save(kept, f"{os.environ['REPLICA_GROUP_ID']}-{train_loop.epoch}.pt")
+        if os.environ.get("RANK", "0") == "0":  # a group's first rank
+            torch.save(kept, f"{os.environ['REPLICA_GROUP_ID']}-{train_loop.epoch}.pt")
 
 if __name__ == "__main__":
     train_set, val_set = digits_datasets(seed=0)
@@ -534,6 +543,43 @@ def test_fit_distributed_with_fault_tolerance_trains_a_users_own_classes_and_eve
         for name, value in kept[0]["state"].items():
             assert torch.allclose(value.double(), kept[1]["state"][name].double(), rtol=0, atol=1e-6), (epoch, name)
     assert all(torch.equal(value, kept[0]["state"][name]) for name, value in handed_back.items())
+
+
+@pytest.mark.timeout(240)
+def test_fit_distributed_on_two_nodes_makes_each_node_a_replica_group_of_its_processes(tmp_path: Path) -> None:
+    """The same script on two "nodes" (two commands on this machine, a lighthouse endpoint on loopback, a job
+    secret), each calling `fit_distributed(2, num_processes=2, nnodes=2, rdzv_endpoint=...)`: each node is one
+    replica group of 2 ranks (named by `TorchFT(replica_id=...)`: both "nodes" have this machine's host name),
+    both groups end each epoch alike, and each process gets its group's weights back."""
+    script = tmp_path / "train.py"
+    tail = "    loop.fit_distributed(2, num_processes=2, callbacks=[KeepEachGroups()])\n"
+    assert tail in _USERS_OWN_CLASSES
+    script.write_text(
+        _USERS_OWN_CLASSES.replace("fault_tolerance=TorchFT(timeout=5.0, quorum_timeout=30.0))",
+                                   "fault_tolerance=TorchFT(replica_id=sys.argv[2], timeout=5.0, quorum_timeout=30.0))")
+        .replace(tail, "    loop.fit_distributed(2, num_processes=2, nnodes=2, rdzv_endpoint=sys.argv[1], "
+                       "callbacks=[KeepEachGroups()])\n")
+        .replace('torch.save(loop.model.state_dict(), "handed-back.pt")',
+                 'torch.save(loop.model.state_dict(), f"handed-back-{sys.argv[2]}.pt")')
+    )  # fmt: skip
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "DDPKIT_JOB_SECRET": "a secret of both nodes"}
+    nodes = [subprocess.Popen([sys.executable, str(script), endpoint, name], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+             for name in ("node-a", "node-b")]  # fmt: skip
+    said = [node.communicate(timeout=220)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(said)[-4000:]
+    assert all("STEPS 46" in text for text in said), said
+    assert any("replica group 'node-a' (2 ranks), one of 2" in text for text in said), said
+    for epoch in (0, 1):
+        kept = [torch.load(tmp_path / f"node-{node}-{epoch}.pt") for node in "ab"]
+        assert kept[0]["validation_loss"] == kept[1]["validation_loss"], kept
+        for name, value in kept[0]["state"].items():
+            assert torch.allclose(value.double(), kept[1]["state"][name].double(), rtol=0, atol=1e-6), (epoch, name)
+    for node in "ab":
+        handed_back = torch.load(tmp_path / f"handed-back-node-{node}.pt")
+        assert all(torch.equal(value, kept[0 if node == "a" else 1]["state"][name])
+                   for name, value in handed_back.items())  # fmt: skip
 
 
 @pytest.mark.timeout(240)

@@ -349,8 +349,12 @@ def test_torchfts_tracebacks_go_to_debug_and_a_failed_step_keeps_its_cause_in_on
 
 def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() -> None:
     loop = _digits_loop(fault_tolerance="torchft", global_batch_size=64)
-    with pytest.raises(ValueError, match=r"cannot honour nnodes='1:2' \(one machine only\)\. On several machines"):
+    with pytest.raises(ValueError, match=r"cannot honour nnodes='1:2' \(one replica group a node: a whole number"):
         loop.fit_distributed(1, nnodes="1:2")
+    with pytest.raises(ValueError, match=r"nnodes=2 without rdzv_endpoint \(the lighthouse's 'HOST:PORT'"):
+        loop.fit_distributed(1, nnodes=2)
+    with pytest.raises(ValueError, match=r"rdzv_endpoint='127.0.0.1:1' \(the lighthouse of a job on several nodes\)"):
+        loop.fit_distributed(1, rdzv_endpoint="127.0.0.1:1")
     with pytest.raises(ValueError, match=r"cannot honour rdzv_conf=") as refused:
         loop.fit_distributed(1, backend="nccl", start_method="fork", rdzv_conf={"x": 1}, timeout=0)
     for named in ("backend='nccl'", "start_method='fork'", "rdzv_conf={'x': 1}", "timeout=0 (a fault-tolerant step"):

@@ -24,6 +24,7 @@ from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
 from ddpkit.environments import CLUSTER_ENV_VARIABLE
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
+from ddpkit.fault_tolerance._replica import local_address
 from ddpkit.fault_tolerance._settings import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
 
@@ -72,7 +73,8 @@ def run_node_group(
 
     Raises:
         ValueError: no job secret (``--secret-file`` or ``DDPKIT_JOB_SECRET``: the lighthouse and the groups' ports
-            face the network), ``endpoint`` not ``HOST:PORT``, or ``nnodes`` below 1.
+            face the network), ``endpoint`` not ``HOST:PORT``, ``nnodes`` below 1, or no route from this machine to
+            the endpoint's host.
         ImportError: torchft is not installed (the message says how to install it).
     """
     secret = job_secret()
@@ -90,8 +92,14 @@ def run_node_group(
     served = _lighthouse_here(host, int(port), min_replicas)
     lighthouse = served.address if served is not None else f"http://{bracketed(host)}:{port}"
     where = "served by this command" if served is not None else "served by another process"
+    try:
+        listening = f"; the group's servers listen on {local_address(lighthouse)}"
+    except RendezvousFailedError as error:
+        if served is not None:
+            served.shutdown()
+        raise ValueError(str(error)) from None
     print(f"ddpkit: replica group {name!r} ({nprocs or 'one per GPU, or 1'} ranks), one of {nnodes}; torchft's "
-          f"lighthouse at {lighthouse}, {where}", file=sys.stderr, flush=True)  # fmt: skip
+          f"lighthouse at {lighthouse}, {where}{listening}", file=sys.stderr, flush=True)  # fmt: skip
     try:
         child = _start_group(script, script_args, name, nprocs, lighthouse, max_restarts, module, secret.decode(),
                              nnodes, {CLUSTER_ENV_VARIABLE: "local"})  # fmt: skip

@@ -55,7 +55,10 @@ class ReplicaGroup:
     over the quorum's groups, rank ``r`` of each group with rank ``r`` of the others (one process group of
     the quorum per rank of a group, as torchft's HSDP does); it commits a step only when every one of its
     ranks can. A rank that dies fails its group's collectives: its launcher restarts the whole group, which
-    comes back and takes its peers' state, while the other groups go on.
+    comes back and takes its peers' state, while the other groups go on. Run such a group under an agent that
+    stops the other ranks when one dies (``ddpkit run``, torchrun): otherwise its rank 0's torchft manager keeps
+    the group in the quorum's view while it waits for the dead rank, and holds the other groups back for up to
+    ``quorum_timeout``.
 
     With a job secret (``DDPKIT_JOB_SECRET``, which ``ddpkit run --fault-tolerance`` and ``fit_distributed``
     give every group of a job), each quorum's members prove that they hold it before anything moves between
@@ -92,7 +95,7 @@ class ReplicaGroup:
         torchft = torchft_module()
         managers = torchft_module("torchft.manager")
         _quiet_torchft()
-        local = _local_address(lighthouse)
+        local = local_address(lighthouse)
         secret = job_secret()
         if secret is None:
             _warn_without_secret()
@@ -272,8 +275,13 @@ def _warn_without_secret() -> None:
     )
 
 
-def _local_address(lighthouse: str) -> str:
-    """Where this group's servers listen: loopback with a lighthouse on loopback, else the route's address."""
+def local_address(lighthouse: str) -> str:
+    """Where a group's servers listen: loopback with a lighthouse on loopback, else this machine's address on its
+    route to the lighthouse.
+
+    Raises:
+        RendezvousFailedError: no route from this machine to the lighthouse's host.
+    """
     host = url_host(lighthouse)
     if is_loopback(host):
         return "127.0.0.1"

@@ -357,14 +357,19 @@ class TrainLoop:
         With ``fault_tolerance``, the ``num_processes`` processes are replica groups (``group-0``, ...), each
         under an elastic agent of its own that starts it again up to ``max_restarts`` times when it dies while
         the others go on, with a lighthouse in this process on loopback (unless the settings name one); this
-        process then holds the weights and run state of the first group that finished. One machine only.
-        There ``timeout`` is the settings' ``timeout`` (seconds a step's collectives may take before the step
-        fails in every group), ``backend`` can only be ``"gloo"`` and ``start_method`` only ``"spawn"``.
+        process then holds the weights and run state of the first group that finished. With ``nnodes=N`` and
+        ``rdzv_endpoint="HOST:PORT"``, called on every node, each node is one replica group of
+        ``num_processes`` ranks (``ddpkit run --fault-tolerance --nnodes N``: the lighthouse at the endpoint,
+        served by the node whose address ``HOST`` is; the job secret required), and this process holds its
+        group's weights and run state. There ``timeout`` is the settings' ``timeout`` (seconds a step's
+        collectives may take before the step fails in every group), ``backend`` can only be ``"gloo"`` and
+        ``start_method`` only ``"spawn"``.
 
         Raises:
-            ValueError: with ``fault_tolerance``: ``grad_accumulation``, ``nnodes``, ``rdzv_endpoint`` or
-                ``rdzv_conf`` given, another ``backend`` or ``start_method``, ``timeout=0``, or a scheduler
-                started this process (the message names each).
+            ValueError: with ``fault_tolerance``: ``grad_accumulation`` or ``rdzv_conf`` given, ``nnodes`` other
+                than a whole number, ``nnodes`` above 1 without ``rdzv_endpoint`` (or an endpoint with one node),
+                another ``backend`` or ``start_method``, ``timeout=0``, a scheduler started this process, or no
+                job secret on several nodes (the message names each).
             HangError: the job hung (after ``max_restarts`` restarts).
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """

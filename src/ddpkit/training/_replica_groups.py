@@ -33,7 +33,7 @@ from ddpkit.callbacks import Callback
 from ddpkit.checkpoint import rng_state, set_rng_state
 from ddpkit.errors import WorkerFailedError
 from ddpkit.fault_tolerance import TorchFT
-from ddpkit.fault_tolerance._job import run_replica_groups
+from ddpkit.fault_tolerance._job import run_node_group, run_replica_groups
 from ddpkit.fault_tolerance._settings import REPLICA_ID_VARIABLE
 from ddpkit.jobs.launch import scheduler_environment
 from ddpkit.training._launched import Fits, Result
@@ -50,7 +50,9 @@ def fit_replica_groups(
 ) -> Result:  # fmt: skip
     """Train ``loop`` as ``num_processes`` replica groups of one process on this machine, each started again
     up to ``max_restarts`` times when it dies; the weights and run state of the first group that finished.
-    ``launch_arguments``: the rest of ``fit_distributed``'s, honoured or refused.
+    With ``nnodes`` N above 1 (and ``rdzv_endpoint``, the lighthouse's ``HOST:PORT``), this node's replica group
+    instead, of ``num_processes`` ranks, one of N (``ddpkit run --fault-tolerance --nnodes N``): its weights and
+    run state. ``launch_arguments``: the rest of ``fit_distributed``'s, honoured or refused.
 
     Raises:
         ValueError: an argument that cannot be honoured (:func:`_honoured`).
@@ -65,17 +67,26 @@ def fit_replica_groups(
         with open(directory / _LOOP_FILE, "wb") as handle:
             pickle.dump(_preparation(), handle)
             pickle.dump((groups_loop, num_epochs, callbacks, rng_state()), handle)
-        statuses = run_replica_groups(
-            "ddpkit.training._replica_groups", [str(directory)], groups=num_processes, max_restarts=max_restarts,
-            module=True, lighthouse=settings.lighthouse, min_replicas=settings.min_replicas,
-        )  # fmt: skip
+        nodes, endpoint = int(launch_arguments["nnodes"]), launch_arguments["rdzv_endpoint"]
+        if nodes > 1:  # this node's group
+            statuses = [run_node_group(
+                "ddpkit.training._replica_groups", [str(directory)], nnodes=nodes, endpoint=endpoint,
+                nprocs=num_processes, replica_id=settings.replica_id, max_restarts=max_restarts, module=True,
+                min_replicas=settings.min_replicas,
+            )]  # fmt: skip
+        else:
+            statuses = run_replica_groups(
+                "ddpkit.training._replica_groups", [str(directory)], groups=num_processes, max_restarts=max_restarts,
+                module=True, lighthouse=settings.lighthouse, min_replicas=settings.min_replicas,
+            )  # fmt: skip
         finished = sorted(directory.glob("result-*.pt"), key=lambda path: path.stat().st_mtime_ns)  # first first
         failed = [(group, status) for group, status in enumerate(statuses) if status != 0]
         if failed or not finished:
             group, status = failed[0] if failed else (0, statuses[0])
+            name = f"group-{group}" if nodes == 1 else "of this node"
             raise WorkerFailedError(
-                group, status, f"replica group group-{group} exited with status {status} after its restarts "
-                f"({len(finished)} of {num_processes} groups finished; their output is above)",
+                group, status, f"replica group {name} exited with status {status} after its restarts "
+                f"({len(finished)} of {len(statuses)} groups finished; their output is above)",
                 failures={g: f"exit status {s}" for g, s in failed},
             )  # fmt: skip
         result = torch.load(finished[0], weights_only=True)
@@ -91,10 +102,14 @@ def _honoured(
     """``settings`` with ``timeout`` in them; a ``ValueError`` naming every other argument that the replica
     groups cannot honour, and why."""
     refused = []
+    several = isinstance(nnodes, int) and not isinstance(nnodes, bool) and nnodes > 1
+    if not several and nnodes != 1:
+        refused.append(f"nnodes={nnodes!r} (one replica group a node: a whole number of nodes)")
+    if several and rdzv_endpoint is None:
+        refused.append(f"nnodes={nnodes} without rdzv_endpoint (the lighthouse's 'HOST:PORT', the same on every node)")
     for name, value, default, why in (
         ("grad_accumulation", grad_accumulation, 1, "a step commits once per global batch"),
-        ("nnodes", nnodes, 1, _ONE_MACHINE),
-        ("rdzv_endpoint", rdzv_endpoint, None, _ONE_MACHINE),
+        ("rdzv_endpoint", None if several else rdzv_endpoint, None, "the lighthouse of a job on several nodes"),
         ("rdzv_conf", rdzv_conf, None, "the groups meet at the lighthouse, not at a rendezvous"),
         ("backend", backend, None, "the groups all-reduce through torchft's gloo process group"),
         ("start_method", start_method, "spawn", "each group is a new interpreter, as with 'spawn'"),
@@ -104,17 +119,13 @@ def _honoured(
     if timeout == 0:
         refused.append("timeout=0 (a fault-tolerant step needs a deadline to drop a group that hangs)")
     if scheduler_environment() is not None:
-        refused.append(f"a scheduler started this process ({_ONE_MACHINE})")
+        refused.append("a scheduler started this process (call it once a node, as a plain command)")
     if refused:
         raise ValueError(
-            f"fit_distributed with fault_tolerance runs its replica groups on this machine; it cannot honour "
-            f"{'; '.join(refused)}. On several machines start each group as a process of its own (its "
-            "REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE set) and call fit()"
+            f"fit_distributed with fault_tolerance runs replica groups on this machine (or, with nnodes=N and "
+            f"rdzv_endpoint, this node's group); it cannot honour {'; '.join(refused)}"
         )
     return settings if timeout is None else replace(settings, timeout=timeout)
-
-
-_ONE_MACHINE = "one machine only"
 
 
 def _preparation() -> dict[str, Any]:
@@ -133,6 +144,8 @@ def _run_group(directory: Path) -> None:
     loop.fit(num_epochs, callbacks=callbacks)
     state = {field.name: getattr(loop.state, field.name) for field in fields(RunState) if field.init}
     state["history"] = {name: list(values) for name, values in state["history"].items()}
+    if int(os.environ.get("RANK", "0")) != 0:  # a group of several ranks: its rank 0 writes
+        return
     weights = {name: value.detach().cpu() for name, value in loop.model.state_dict().items()}
     target = directory / f"result-{os.environ[REPLICA_ID_VARIABLE]}.pt"
     torch.save({"weights": weights, "state": state}, f"{target}.partial")
