@@ -14,6 +14,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in item.path.parents:
             item.add_marker(pytest.mark.e2e)
-        if item.get_closest_marker("slurm") or item.get_closest_marker("mpi"):
-            # One real cluster of two nodes: under pytest-xdist its jobs run one after another, on one worker.
-            item.add_marker(pytest.mark.xdist_group("schedulers"))

@@ -12,6 +12,7 @@ group trained on in it, the number of replica groups of its quorum, the process 
 computes after that (after writing ``{"kill": t}``; with ``$FT_KILL_AFTER`` seconds it first waits that long
 inside the step, so that the other groups wait for it inside the gradients' all-reduce when it dies); with
 ``KILL_AT`` < 0 it hangs for 8 s there instead (after writing ``{"hang": t}``).
+With ``$FT_REQUEUE=1`` the loop has ``requeue=True`` (SLURM's SIGUSR1: a checkpoint, then ``scontrol requeue``).
 With ``$FT_NUM_WORKERS`` the groups' training loader has that many DataLoader workers (the one-process
 reference run none). With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it).
 At the end: the weights in ``OUT.pt``, the history in ``OUT.json``.
@@ -163,7 +164,7 @@ def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
         model, DataLoader(indexed, batch_size=BATCH, shuffle=True, num_workers=workers),
         DataLoader(val_set, batch_size=50),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), global_batch_size=GLOBAL_BATCH,
-        progress=False, fault_tolerance=fault_tolerance,
+        progress=False, fault_tolerance=fault_tolerance, requeue=os.environ.get("FT_REQUEUE") == "1",
     )  # fmt: skip
 
 

@@ -24,6 +24,14 @@ ROOT = Path(__file__).parents[2]
 DDPKIT = [sys.executable, "-m", "ddpkit"]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def _run(command: list[str], cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=job_environment())
 
@@ -67,6 +75,33 @@ def test_the_clusters_guides_job_script_trains_on_two_nodes(tmp_path: Path) -> N
     assert re.search(r"^2 ranks, 10 epochs: validation accuracy 0\.9\d+$", output, re.M), output
 
 
+def _fault_tolerance_guides_job(
+    out: Path, restarts: str, *lines: str, kill_at: int = 0, checkpoints: Path | None = None
+) -> str:
+    """The fault-tolerance guide's sbatch script for this 2-core cluster: one rank a node, the lighthouse on
+    127.0.0.1 (the node names resolve there, where a lighthouse for other machines refuses to listen), its own
+    secret, tests/e2e/ft_trainloop.py (OUT ``out``, KILL_AT ``kill_at``, checkpoints in ``checkpoints``) as the
+    script, ``restarts`` in place of ``--max-restarts 3``, and ``lines`` after the ``#SBATCH`` lines (more
+    ``#SBATCH`` lines first: sbatch reads none after a command)."""
+    script = _guide_job_script("fault-tolerance.md")
+    secret = out / "secret"
+    secret.write_bytes(os.urandom(32))
+    trainloop = f"-m tests.e2e.ft_trainloop - - {out} {kill_at} 0.35" + (f" {checkpoints}" if checkpoints else "")
+    changes = {
+        'HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': "HOST=127.0.0.1",
+        "-n 4": "-n 1",
+        "--max-restarts 3": restarts,
+        "~/.ddpkit-secret": str(secret),
+        "examples/fault_tolerant.py": trainloop,
+        "29510": str(_free_port()),  # the guide's port (each place), which an earlier job's lighthouse may hold
+        "#SBATCH --gpus-per-node=4\n": "".join(f"{line}\n" for line in [*lines, "export OMP_NUM_THREADS=1"]),
+    }  # fmt: skip
+    for old, new in changes.items():
+        assert old in script, old
+        script = script.replace(old, new)
+    return script
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(300)
 def test_the_fault_tolerance_guides_job_script_loses_a_node_and_the_other_finishes_the_run(tmp_path: Path) -> None:
@@ -78,21 +113,8 @@ def test_the_fault_tolerance_guides_job_script_loses_a_node_and_the_other_finish
     from tests.e2e.ft_trainloop import check_against_one_process, records, steps
     from tests.e2e.test_fault_tolerance import NEXT_COMMIT_S
 
-    script = _guide_job_script("fault-tolerance.md")
-    secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(32))
-    changes = {
-        # the test cluster's node names resolve to 127.0.0.1, which a lighthouse for other machines refuses
-        'HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': "HOST=127.0.0.1",
-        "-n 4": "-n 1",  # one rank a node on 2 cores
-        "--max-restarts 3": "--max-restarts 0",  # the node's group is lost for good
-        "~/.ddpkit-secret": str(secret),
-        "examples/fault_tolerant.py": f"-m tests.e2e.ft_trainloop - - {tmp_path} 30 0.35",
-        "#SBATCH --gpus-per-node=4\n": "export OMP_NUM_THREADS=1 RUST_LOG=warn FT_KILL_GROUP=node002\n",
-    }
-    for old, new in changes.items():
-        assert old in script, old
-        script = script.replace(old, new)
+    script = _fault_tolerance_guides_job(tmp_path, "--max-restarts 0", "export FT_KILL_GROUP=node002 RUST_LOG=warn",
+                                         kill_at=30)  # fmt: skip
     shown, output = _wait(_submit(script, tmp_path), tmp_path, timeout=260)
     assert "replica group 'node001' (1 ranks), one of 2" in output, shown + output
     assert "rank 0 failed (exit code -9): killed by signal SIGKILL" in output, output[-3000:]
@@ -108,6 +130,42 @@ def test_the_fault_tolerance_guides_job_script_loses_a_node_and_the_other_finish
     assert len({r["pid"] for r in steps([survivor])}) == 1, "node001 was restarted"
     assert steps([survivor])[-1]["groups"] == 1, "node001 finished alone"
     check_against_one_process([survivor, lost], [survivor])
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_slurms_warning_to_a_fault_tolerant_job_checkpoints_requeues_and_it_ends_as_one_process(tmp_path: Path) -> None:
+    """The fault-tolerance guide's sbatch script with `--requeue` and a TrainLoop with `requeue=True`:
+    `scancel --signal=USR1` (as `#SBATCH --signal=USR1@...` before the walltime) reaches each node's command,
+    which hands it through its agent to its ranks; every group stops at one step with a checkpoint, the job is
+    requeued and resumes there; every item once per epoch, the weights of one process."""
+    pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+    from tests.e2e.ft_trainloop import check_against_one_process, steps
+
+    sbatch = ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    script = _fault_tolerance_guides_job(tmp_path, "--max-restarts 1", *sbatch, "export FT_REQUEUE=1 RUST_LOG=warn",
+                                         checkpoints=tmp_path / "ckpt")  # fmt: skip
+    job = _submit(script, tmp_path)
+    outs = [tmp_path / "node001", tmp_path / "node002"]
+    deadline = time.monotonic() + 120
+    while len(steps(outs[:1])) < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _run(["scancel", "--signal=USR1", job], tmp_path).returncode == 0
+    pending = re.compile(r"JobState=PENDING.*Restarts=1", re.S)  # held 120 s by SLURM: started sooner below
+    while time.monotonic() < deadline and not pending.search(_run(["scontrol", "show", "job", job], tmp_path).stdout):
+        time.sleep(0.2)
+    time.sleep(2)
+    _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], tmp_path)
+    shown, output = _wait(job, tmp_path, timeout=200)
+    assert "Restarts=1" in shown, shown + output
+    found = re.search(r"ddpkit: SIGUSR1 at step (\d+): checkpoint saved in \S+; requeueing job " + job, output)
+    assert found, output[-3000:]
+    stop = int(found.group(1))
+    pids = {out.name: sorted({r["pid"] for r in steps([out])}) for out in outs}
+    assert all(len(p) >= 2 for p in pids.values()), f"each group trained in both runs of the job: {pids}"
+    second = [r["step"] for r in steps(outs[:1]) if r["pid"] == pids["node001"][-1]]
+    assert second[0] == stop, f"the requeued job resumed after step {stop}, not at {second[0]}"
+    check_against_one_process(outs, outs)
 
 
 @pytest.mark.slurm

@@ -208,8 +208,16 @@ def _start_group(
 
 
 def _wait(children: list[subprocess.Popen[bytes]]) -> list[int]:
-    """Wait for every group; Ctrl-C or SIGTERM here stops them all. Their exit statuses."""
+    """Wait for every group; Ctrl-C or SIGTERM here stops them all, SIGUSR1 (SLURM's warning before the
+    walltime) goes on to their agents, which hand it to their ranks. Their exit statuses."""
+
+    def forward(signum: int, frame: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    warned = signal.signal(signal.SIGUSR1, forward)
     try:
         return [child.wait() for child in children]
     except KeyboardInterrupt:
@@ -221,3 +229,4 @@ def _wait(children: list[subprocess.Popen[bytes]]) -> list[int]:
         return [130] * len(children)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGUSR1, warned)

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -31,6 +32,7 @@ import traceback
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,7 +83,7 @@ _AGENT_ENV = (
     TIMEOUT_VARIABLE,
     SECRET_VARIABLE,
 )
-_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 
 
 def default_nprocs() -> int:
@@ -190,6 +192,8 @@ def agent_scope(nnodes: int | str = 1) -> Iterator[str]:
     if job_secret() is None and node_range(nnodes)[1] == 1 and LIGHTHOUSE_VARIABLE not in os.environ:
         os.environ[SECRET_VARIABLE] = new_job_secret().decode()
     export_job_secret(os.environ)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, forward_to_workers)  # SLURM's warning before the walltime, for the ranks
     try:
         yield failure_dir
     finally:
@@ -332,6 +336,33 @@ def _release_frames(err: BaseException) -> None:
     for as long as the caller keeps the exception (the traceback still prints).
     """
     traceback.clear_frames(err.__traceback__)
+
+
+def forward_to_workers(signum: int, frame: object = None) -> None:
+    """Send ``signum`` to this process's workers (its children but multiprocessing's helpers): SLURM's SIGUSR1
+    before the walltime that reaches the agent goes on to the ranks, which act on it (a ``TrainLoop``
+    checkpoints at its next step), instead of ending the agent."""
+    for pid in worker_children(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def worker_children(parent: int) -> list[int]:
+    """The children of ``parent`` that run a worker, not multiprocessing's resource tracker or fork server
+    (Linux ``/proc``; none elsewhere)."""
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return []
+    workers = []
+    for child in children:
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in command and b"forkserver" not in command:
+            workers.append(int(child))
+    return workers
 
 
 def _current_handlers() -> dict[signal.Signals, Any]:

@@ -28,6 +28,7 @@ import torch
 
 from ddpkit.collectives import sync_ddp
 from ddpkit.environments import detect_environment
+from ddpkit.fault_tolerance._settings import LIGHTHOUSE_VARIABLE
 from ddpkit.process_group import get_rank
 
 __all__ = ["Preempted", "PreemptionHandler"]
@@ -68,7 +69,11 @@ class PreemptionHandler:
     def watching(self, checkpointing: bool) -> Iterator[None]:
         """Catch the signals meanwhile, in a SLURM task's main thread with checkpoints; else do nothing."""
         env = detect_environment()
-        if not checkpointing or env.name != "slurm" or threading.current_thread() is not threading.main_thread():
+        # A replica group's rank inside a SLURM job (`ddpkit run --fault-tolerance --nnodes` as one srun task a
+        # node starts the ranks itself): SLURM's signals reach it through its node's command and agent.
+        group_in_slurm = bool(os.environ.get("SLURM_JOB_ID")) and bool(os.environ.get(LIGHTHOUSE_VARIABLE))
+        slurm = env.name == "slurm" or group_in_slurm
+        if not checkpointing or not slurm or threading.current_thread() is not threading.main_thread():
             yield
             return
         saved = {sig: signal.signal(sig, self._receive) for sig in PREEMPTION_SIGNALS}
