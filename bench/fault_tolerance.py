@@ -124,6 +124,36 @@ def ddp_worker(rank: int, port: int, steps: int, out: str, world_size: int = 2) 
     dist.destroy_process_group()
 
 
+def _plain_manager(replica: str, lighthouse: str, save: Any, load: Any, store_port: int, rank: int, ranks: int
+                   ) -> Any:  # fmt: skip
+    """torchft's ``Manager`` as a plain torchft loop builds it, its servers on loopback only: rank ``rank`` of a
+    replica group of ``ranks`` whose store is on ``store_port``; the manager's server built with a loopback bind
+    (torchft 0.2.0 hard-codes ``[::]``), and a recovering replica takes the weights over the replicas' process
+    group (torchft's ``PGTransport``), not its HTTP server."""
+    import torch
+    import torchft.manager
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    server = torchft.manager.ManagerServer
+
+    def on_loopback(*args: Any, **kwargs: Any) -> Any:
+        return server(*args, **{**kwargs, "bind": "127.0.0.1:0"})
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    torchft.manager.ManagerServer = on_loopback  # type: ignore[misc]
+    try:
+        return Manager(
+            pg=pg, min_replica_size=1, load_state_dict=load, state_dict=save, replica_id=replica,
+            store_addr="127.0.0.1", store_port=store_port, rank=rank, world_size=ranks, lighthouse_addr=lighthouse,
+            hostname="127.0.0.1", timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=20),
+            connect_timeout=timedelta(seconds=10),
+            checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
+        )  # fmt: skip
+    finally:
+        torchft.manager.ManagerServer = server  # type: ignore[misc]
+
+
 def torchft_worker(replica: str, lighthouse: str, steps: int, out: str, delay: float, loader: bool = False) -> None:
     """One replica group (one process) of a plain torchft loop; each step's time, step, commit and quorum size.
     With ``loader`` its batches come from a ``DataLoader`` (see :func:`_digits_step_parts`).
@@ -133,10 +163,7 @@ def torchft_worker(replica: str, lighthouse: str, steps: int, out: str, delay: f
     weights over the replicas' process group (torchft's ``PGTransport``), not its HTTP server.
     """
     import torch
-    import torchft.manager
     from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.checkpointing.pg_transport import PGTransport
 
     from ddpkit._stores import serve_store
 
@@ -152,23 +179,7 @@ def torchft_worker(replica: str, lighthouse: str, steps: int, out: str, delay: f
     def save() -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
-    server = torchft.manager.ManagerServer
-
-    def on_loopback(*args: Any, **kwargs: Any) -> Any:
-        return server(*args, **{**kwargs, "bind": "127.0.0.1:0"})
-
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
-    torchft.manager.ManagerServer = on_loopback  # type: ignore[misc]
-    try:
-        manager = Manager(
-            pg=pg, min_replica_size=1, load_state_dict=load, state_dict=save, replica_id=replica,
-            store_addr="127.0.0.1", store_port=store_port, rank=0, world_size=1, lighthouse_addr=lighthouse,
-            hostname="127.0.0.1", timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=20),
-            connect_timeout=timedelta(seconds=10),
-            checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
-        )  # fmt: skip
-    finally:
-        torchft.manager.ManagerServer = server  # type: ignore[misc]
+    manager = _plain_manager(replica, lighthouse, save, load, store_port, 0, 1)
     parameters = list(model.parameters())
     with open(out, "w") as log:
         while manager.current_step() < steps:
@@ -231,9 +242,6 @@ def group_worker(kind: str, group: int, rank: int, port: int, lighthouse: str, s
     ``Manager.allreduce``), or ddpkit's ``ReplicaGroup`` in the group's process group (``kind`` "ddpkit")."""
     import torch
     import torch.distributed as dist
-    import torchft.manager
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.checkpointing.pg_transport import PGTransport
 
     from ddpkit.fault_tolerance import ReplicaGroup
 
@@ -259,23 +267,7 @@ def group_worker(kind: str, group: int, rank: int, port: int, lighthouse: str, s
         def participants() -> int:
             return replica.participants
     else:
-        server = torchft.manager.ManagerServer
-
-        def on_loopback(*args: Any, **kwargs: Any) -> Any:
-            return server(*args, **{**kwargs, "bind": "127.0.0.1:0"})
-
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
-        torchft.manager.ManagerServer = on_loopback  # type: ignore[misc]
-        try:
-            manager = Manager(
-                pg=pg, min_replica_size=1, load_state_dict=load, state_dict=save, replica_id=f"g{group}",
-                store_addr="127.0.0.1", store_port=port, rank=rank, world_size=2, lighthouse_addr=lighthouse,
-                hostname="127.0.0.1", timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=20),
-                connect_timeout=timedelta(seconds=10),
-                checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
-            )  # fmt: skip
-        finally:
-            torchft.manager.ManagerServer = server  # type: ignore[misc]
+        manager = _plain_manager(f"g{group}", lighthouse, save, load, port, rank, 2)
 
         def average(params: Any) -> bool:
             flat = torch.cat([p.grad.reshape(-1) for p in parameters if p.grad is not None])

@@ -56,6 +56,19 @@ def _wait(job: str, cwd: Path, timeout: float = 150) -> tuple[str, str]:
 # --- Slurm ----------------------------------------------------------------------------------------
 
 
+def _warn_and_start_again(job: str, cwd: Path, deadline: float) -> None:
+    """`scancel --signal=USR1 JOB` (SLURM's warning before the walltime), then, once the job has requeued
+    itself, start it again at once."""
+    assert _run(["scancel", "--signal=USR1", job], cwd).returncode == 0
+    # SLURM holds a requeued job for 120 s (its BeginTime) before it may start again: start it sooner, but
+    # not within the second of the requeue, whose job credential slurmd has revoked (whole seconds).
+    pending = re.compile(r"JobState=PENDING.*Restarts=1", re.S)
+    while time.monotonic() < deadline and not pending.search(_run(["scontrol", "show", "job", job], cwd).stdout):
+        time.sleep(0.2)
+    time.sleep(2)
+    _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], cwd)
+
+
 def _guide_job_script(page: str = "clusters.md") -> str:
     guide = (ROOT / "docs" / page).read_text()
     found = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", guide, re.DOTALL)
@@ -150,12 +163,7 @@ def test_slurms_warning_to_a_fault_tolerant_job_checkpoints_requeues_and_it_ends
     deadline = time.monotonic() + 120
     while len(steps(outs[:1])) < 12 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _run(["scancel", "--signal=USR1", job], tmp_path).returncode == 0
-    pending = re.compile(r"JobState=PENDING.*Restarts=1", re.S)  # held 120 s by SLURM: started sooner below
-    while time.monotonic() < deadline and not pending.search(_run(["scontrol", "show", "job", job], tmp_path).stdout):
-        time.sleep(0.2)
-    time.sleep(2)
-    _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], tmp_path)
+    _warn_and_start_again(job, tmp_path, deadline)
     shown, output = _wait(job, tmp_path, timeout=200)
     assert "Restarts=1" in shown, shown + output
     found = re.search(r"ddpkit: SIGUSR1 at step (\d+): checkpoint saved in \S+; requeueing job " + job, output)
@@ -304,14 +312,7 @@ def test_sigusr1_checkpoints_at_the_next_step_requeues_and_the_job_ends_bit_iden
     deadline = time.monotonic() + 120
     while len(_steps(signalled)) < 12 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _run(["scancel", "--signal=USR1", job], signalled).returncode == 0
-    # SLURM holds a requeued job for 120 s (its BeginTime) before it may start again: start it sooner, but
-    # not within the second of the requeue, whose job credential slurmd has revoked (whole seconds).
-    pending = re.compile(r"JobState=PENDING.*Restarts=1", re.S)
-    while time.monotonic() < deadline and not pending.search(_run(["scontrol", "show", "job", job], signalled).stdout):
-        time.sleep(0.2)
-    time.sleep(2)
-    _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], signalled)
+    _warn_and_start_again(job, signalled, deadline)
     shown, output = _wait(job, signalled, timeout=120)
     assert "JobState=COMPLETED" in shown, shown + output
     assert "Restarts=1" in shown, "requeued once"
