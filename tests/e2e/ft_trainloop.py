@@ -3,7 +3,8 @@
 ``ddpkit run --fault-tolerance -n 3 -m tests.e2e.ft_trainloop - - FOLDER KILL_AT DELAY`` (the id and lighthouse
 from the environment, ``OUT`` = ``FOLDER/<id>`` (``FOLDER/<id>.rank<r>`` for rank ``r`` > 0 of a group of
 several ranks), and only the first start of ``$FT_KILL_GROUP`` (default ``group-2``) kills itself: its rank
-``$FT_KILL_RANK`` alone, where given).
+``$FT_KILL_RANK`` alone, where given; ``$FT_KILL_ALSO=GROUP:RANK:STEP``: that rank of that group's first start
+kills itself too, at that step).
 
 Trains the digits classifier with ``TrainLoop(fault_tolerance=TorchFT(...), global_batch_size=GLOBAL_BATCH)``.
 Every committed step appends a JSON line to ``OUT.jsonl``: the epoch, the step, the dataset indices this
@@ -17,10 +18,11 @@ With ``$FT_NUM_WORKERS`` the groups' training loader has that many DataLoader wo
 reference run none). With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it).
 At the end: the weights in ``OUT.pt``, the history in ``OUT.json``.
 
-With ``$FT_RESTART_MARKER`` (a path), a group started again (under its agent, or with ``$FT_RESTARTED=1``)
-creates that file once it has joined (its manager heartbeats, so the lighthouse waits for it for the next
-quorum). With ``$FT_WAIT_FOR`` (a path), every group waits for that file after committing step
-``$FT_WAIT_AT``, for at most 120 s. Both at one path: a restarted group, whose Python, torch and torchft take
+With ``$FT_RESTART_MARKER`` (a path; ``{group}`` in it stands for the group's id), a group started again (under
+its agent, or with ``$FT_RESTARTED=1``) creates that file once it has joined (its manager heartbeats, so the
+lighthouse waits for it for the next quorum). With ``$FT_WAIT_FOR`` (paths, comma-separated), every group waits
+for the first file after committing step ``$FT_WAIT_AT`` (steps, as many), for the second after the second
+step, ..., for at most 120 s each. Both at one path: a restarted group, whose Python, torch and torchft take
 several seconds to start (more on a loaded machine), is sure to find peers to take the state from, and a
 group that joins late is sure to find the others still training.
 """
@@ -87,13 +89,22 @@ class IndexedLoop(TrainLoop):
         group = os.environ.get("REPLICA_GROUP_ID")
         return group == self.kill_group and first and rank in (None, os.environ.get("RANK", "0"))
 
+    def dies_also(self) -> bool:
+        """Whether this process is ``$FT_KILL_ALSO``'s (``GROUP:RANK:STEP``) and has reached its step."""
+        also = os.environ.get("FT_KILL_ALSO")
+        if not also or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return False
+        group, rank, step = also.split(":")
+        here = (os.environ.get("REPLICA_GROUP_ID"), os.environ.get("RANK", "0"))
+        return here == (group, rank) and self.global_step >= int(step)
+
     def attempt(self) -> tuple[int, int, int]:
         """Which attempt at which step this is: the step, the steps not committed, the shares dealt again."""
         return self.global_step, self.state.failed_steps, self.state.dealt_again
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         images, labels, indices = batch
-        if self.kill_at > 0 and self.global_step >= self.kill_at and self.dies():  # a group healing at it: next
+        if (self.kill_at > 0 and self.global_step >= self.kill_at and self.dies()) or self.dies_also():
             time.sleep(float(os.environ.get("FT_KILL_AFTER", "0")))  # the others reach the all-reduce meanwhile
             self.log.write(json.dumps({"kill": time.time(), "pid": os.getpid()}) + "\n")
             self.log.flush()
@@ -129,11 +140,12 @@ class StepLog(Callback):
     def __init__(self, delay: float) -> None:
         self.delay = delay
         self.marker = os.environ.get("FT_RESTART_MARKER")
-        self.wait_for, self.wait_at = os.environ.get("FT_WAIT_FOR"), int(os.environ.get("FT_WAIT_AT", "-1"))
+        paths, at = os.environ.get("FT_WAIT_FOR"), os.environ.get("FT_WAIT_AT")
+        self.waits = dict(zip(map(int, at.split(",")), paths.split(","), strict=True)) if paths and at else {}
 
     def on_epoch_begin(self, train_loop: Any) -> None:
         if self.marker and restarted():  # joined: the manager heartbeats
-            Path(self.marker).touch()
+            Path(self.marker.replace("{group}", os.environ.get("REPLICA_GROUP_ID", ""))).touch()
 
     def on_batch_end(self, train_loop: Any) -> None:
         loop: IndexedLoop = train_loop
@@ -146,9 +158,9 @@ class StepLog(Callback):
         loop.log.write(json.dumps(record) + "\n")
         loop.log.flush()
         time.sleep(self.delay)
-        if self.wait_for and done == self.wait_at:
+        if done in self.waits:
             deadline = time.monotonic() + 120.0
-            while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
+            while not os.path.exists(self.waits[done]) and time.monotonic() < deadline:
                 time.sleep(0.1)
 
 

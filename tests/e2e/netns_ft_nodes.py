@@ -9,8 +9,9 @@ machine::
         --replica-id node-X --max-restarts 1 -m tests.e2e.ft_trainloop - - OUTDIR 30 DELAY
 
 (``--replica-id``: both "nodes" have this machine's host name). Both ranks of ``node-b`` SIGKILL themselves in
-step 30; its agent starts them again. Once both groups committed steps, this reads every socket the job's
-processes listen on; it then waits for both commands to end and writes ``result.json`` in OUTDIR.
+step 30 (epoch 1), rank 1 of ``node-a`` in step 52 (epoch 2); each time the group's agent starts its ranks again.
+Once both groups committed steps, this reads every socket the job's processes listen on; it then waits for both
+commands to end and writes ``result.json`` in OUTDIR.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from tests.helpers import descendants, holds_within, listening_sockets
 
 HOST, OTHER = "10.77.0.1", "10.77.0.2"
 DELAY_S = "0.35"
+#: The step in which rank 1 of node-a kills itself (node-b's ranks: step 30).
+SECOND_KILL_AT = 52
 
 
 def main(out: Path) -> None:
@@ -36,9 +39,11 @@ def main(out: Path) -> None:
         subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", "lo"], check=True)
     secret = out / "secret"
     secret.write_bytes(os.urandom(32))
-    marker = str(out / "restarted")
+    marker = str(out / "restarted-{group}")
+    waits = ",".join(marker.replace("{group}", group) for group in ("node-b", "node-a"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "FT_KILL_GROUP": "node-b",
-           "FT_RESTART_MARKER": marker, "FT_WAIT_FOR": marker, "FT_WAIT_AT": "34"}  # fmt: skip
+           "FT_KILL_ALSO": f"node-a:1:{SECOND_KILL_AT}", "FT_RESTART_MARKER": marker, "FT_WAIT_FOR": waits,
+           "FT_WAIT_AT": f"34,{SECOND_KILL_AT + 4}"}  # fmt: skip
     env.pop("DDPKIT_JOB_SECRET", None)
     nodes: list[tuple[subprocess.Popen[bytes], Path]] = []
     result: dict[str, Any] = {}

@@ -7,6 +7,7 @@ tests/ranks/test_fault_tolerance.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -407,9 +408,10 @@ def test_replica_groups_of_two_ranks_lose_a_rank_restart_that_group_and_end_as_o
 def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ranks_and_heals(tmp_path: Path) -> None:
     """Two "nodes" (test addresses 10.77.0.1 and 10.77.0.2 in a network namespace of the test's own), each
     `ddpkit run --fault-tolerance --nnodes 2 -n 2 --rdzv-endpoint 10.77.0.1:29510 --secret-file F`: node-a serves
-    the lighthouse. Both ranks of node-b SIGKILL themselves in step 30: its agent restarts them and they heal from
-    node-a, which keeps its processes and commits within NEXT_COMMIT_S (4 s). Every item once per epoch; every
-    rank's weights within 1e-5 of one process; every listener on a test address or loopback."""
+    the lighthouse. Both ranks of node-b SIGKILL themselves in step 30 (epoch 1), then rank 1 of node-a in step 52
+    (epoch 2): each time the group's agent restarts its ranks and they heal from the other node's group, which
+    keeps its processes and commits within NEXT_COMMIT_S (4 s). Every item once per epoch; every rank's weights
+    within 1e-5 of one process; every listener on a test address or loopback."""
     result = in_a_namespace("", tmp_path, module="tests.e2e.netns_ft_nodes", timeout=320)
     logs = "\n".join(result["logs"])
     assert result["codes"] == [0, 0], logs[-4000:]
@@ -417,25 +419,30 @@ def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ran
     assert "torchft's lighthouse at http://10.77.0.1:29510, served by this command" in result["logs"][0], logs[-3000:]
     assert "served by another process; the group's servers listen on 10.77.0.1" in result["logs"][1], logs[-3000:]
     assert "ddpkit: replica group node-b: restart 1 of 1: local rank " in result["logs"][1], logs[-3000:]
+    assert "ddpkit: replica group node-a: restart 1 of 1: local rank 1" in result["logs"][0], logs[-3000:]
     listeners = {address for address, _ in result["listeners"]}
     assert listeners <= {"10.77.0.1", "10.77.0.2", "127.0.0.1"}, result["listeners"]
     facing = [port for address, port in result["listeners"] if address == "10.77.0.1"]
     # The lighthouse, each group's store and torchft manager server, and each rank's gloo device of the groups'
     # process group (not the loopback that the group's own default process group is pinned to).
     assert len(facing) >= 1 + 2 + 2 + 4, result["listeners"]
-    survivors = [tmp_path / "node-a", tmp_path / "node-a.rank1"]
-    restarted = [tmp_path / "node-b", tmp_path / "node-b.rank1"]
-    killed = min(r["kill"] for out in restarted for r in _records(out) if "kill" in r)
-    for out in survivors:
-        records = _steps([out])
-        assert len({r["pid"] for r in records}) == 1, f"{out.name} was restarted"
-        after = next(r for r in records if r["t"] > killed)["t"] - killed
-        print(f"{out.name} committed its next step {after:.2f} s after the kill")
-        assert after < NEXT_COMMIT_S, logs[-4000:]
-    for out in restarted:
-        assert len({r["pid"] for r in _steps([out])}) == 2, f"{out.name} was not started again"
-        assert next(r for r in _steps([out]) if r["t"] > killed)["step"] > 30, f"{out.name} started over"
-    _check_every_item_once_per_epoch_and_the_weights_of_one_process(survivors + restarted, survivors + restarted)
+    node_a, node_b = [tmp_path / "node-a", tmp_path / "node-a.rank1"], [tmp_path / "node-b", tmp_path / "node-b.rank1"]
+    first = min(r["kill"] for out in node_b for r in _records(out) if "kill" in r)
+    second = min(r["kill"] for out in node_a for r in _records(out) if "kill" in r)
+    assert first < second, "node-a's rank 1 killed itself before node-b's ranks"
+    for killed, since, until, lost, step in ((first, 0.0, second, node_b, 30), (second, first, math.inf, node_a, 52)):
+        others = node_a if lost is node_b else node_b
+        for out in others:
+            records = [r for r in _steps([out]) if since < r["t"] < until]
+            assert len({r["pid"] for r in records}) == 1, f"{out.name} was restarted when the other node lost ranks"
+            after = next(r for r in records if r["t"] > killed)["t"] - killed
+            print(f"{out.name} committed its next step {after:.2f} s after the kill in step {step}")
+            assert after < NEXT_COMMIT_S, logs[-4000:]
+        for out in lost:
+            assert len({r["pid"] for r in _steps([out])}) == 2, f"{out.name} was not started again"
+            back = next(r for r in _steps([out]) if r["t"] > killed)["step"]
+            assert back > step, f"{out.name} started over at step {back} instead of taking its peer's state"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(node_a + node_b, node_a + node_b)
 
 
 @pytest.mark.timeout(300)
