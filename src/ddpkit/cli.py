@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import __version__
-from ddpkit.environments import detect_environment
+from ddpkit.environments import ClusterEnvironment, detect_environment
 from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
 from ddpkit.fault_tolerance._job import run_replica_groups
 from ddpkit.hangs._watchdog import hang_timeout
@@ -291,15 +291,20 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_replica_groups(args: argparse.Namespace) -> int:
-    scheduler = scheduler_environment()
-    one_a_node = os.environ.get("SLURM_LOCALID", "0") == "0"
-    if scheduler is not None and (scheduler.name != "slurm" or args.nnodes == "1" or not one_a_node):
+    # The groups' own addresses come from --rdzv-endpoint: mpirun's tasks on several nodes need no MASTER_ADDR.
+    host = (args.rdzv_endpoint or "").rpartition(":")[0]
+    try:
+        scheduler = scheduler_environment({"MASTER_ADDR": host, **os.environ} if host else None)
+    except ClusterEnvironmentError as error:
+        return _fail("run", error)
+    if scheduler is not None and (scheduler.name not in ("slurm", "mpi") or args.nnodes == "1"
+                                  or not _alone_on_its_node(scheduler)):  # fmt: skip
         return _fail(
             "run",
-            "--fault-tolerance starts the replica groups itself: under srun, run it as one task a node with "
-            "--nnodes (srun --ntasks-per-node 1 ddpkit run --fault-tolerance --nnodes $SLURM_NNODES ...), not as "
-            f"one of several tasks of {scheduler.name} on a node (see the documentation's fault-tolerance page, "
-            "docs/fault-tolerance.md)",
+            "--fault-tolerance starts the replica groups itself: under srun or mpirun, run it as one task a node "
+            "with --nnodes (srun --ntasks-per-node 1 ddpkit run --fault-tolerance --nnodes $SLURM_NNODES ..., "
+            "mpirun --map-by ppr:1:node ...), not as one of several tasks of "
+            f"{scheduler.name} on a node (see the documentation's fault-tolerance page, docs/fault-tolerance.md)",
             status=2,
         )
     if args.nnodes != "1":
@@ -325,6 +330,13 @@ def _run_replica_groups(args: argparse.Namespace) -> int:
         return _fail("run", error, status=2)
     except ImportError as error:
         return _fail("run", error)
+
+
+def _alone_on_its_node(scheduler: ClusterEnvironment) -> bool:
+    """Whether this task of ``srun`` or ``mpirun`` is its node's only one (the first, where the count is
+    unknown)."""
+    count = scheduler.local_world_size()
+    return count == 1 if count is not None else scheduler.local_rank() == 0
 
 
 def _run_node_group(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import job_environment
+from tests.helpers import holds_within, job_environment
 
 ROOT = Path(__file__).parents[2]
 DDPKIT = [sys.executable, "-m", "ddpkit"]
@@ -30,6 +30,16 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def _listens(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def _run(command: list[str], cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
@@ -123,26 +133,34 @@ def test_the_fault_tolerance_guides_job_script_loses_a_node_and_the_other_finish
     its Slurm node). node002's group SIGKILLs itself in step 30 and is not restarted: node001 commits its next
     step within seconds and finishes the run alone; every item once per epoch, the weights of one process."""
     pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
-    from tests.e2e.ft_trainloop import check_against_one_process, records, steps
-    from tests.e2e.test_fault_tolerance import NEXT_COMMIT_S
 
     script = _fault_tolerance_guides_job(tmp_path, "--max-restarts 0", "export FT_KILL_GROUP=node002 RUST_LOG=warn",
                                          kill_at=30)  # fmt: skip
     shown, output = _wait(_submit(script, tmp_path), tmp_path, timeout=260)
-    assert "replica group 'node001' (1 ranks), one of 2" in output, shown + output
-    assert "rank 0 failed (exit code -9): killed by signal SIGKILL" in output, output[-3000:]
-    assert "replica group 'node002' ended with exit status 1 (no restart left)" in output, output[-3000:]
-    assert "replica group node001 at step 31: node002 left the quorum" in output, output[-3000:]
+    assert "rank 0 failed (exit code -9): killed by signal SIGKILL" in output, shown + output[-3000:]
     assert "served by another process" in output, "the script's lighthouse serves the job"
+    _check_one_node_finished_alone(output, tmp_path, "node001", "node002")
+
+
+def _check_one_node_finished_alone(output: str, out: Path, survivor: str, lost: str) -> None:
+    """Node ``lost``'s group (one rank) killed itself in step 30 with no restart left: the job's ``output``
+    names it, ``survivor`` committed its next step within NEXT_COMMIT_S without a restart and finished alone;
+    every item once per epoch, the weights of one process (step logs in ``out``)."""
+    from tests.e2e.ft_trainloop import check_against_one_process, records, steps
+    from tests.e2e.test_fault_tolerance import NEXT_COMMIT_S
+
+    assert f"replica group '{survivor}' (1 ranks), one of 2" in output, output[-3000:]
+    assert f"replica group '{lost}' ended with exit status 1 (no restart left)" in output, output[-3000:]
+    assert f"replica group {survivor} at step 31: {lost} left the quorum" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    survivor, lost = tmp_path / "node001", tmp_path / "node002"
-    killed = next(r["kill"] for r in records(lost) if "kill" in r)
-    after = next(r for r in steps([survivor]) if r["t"] > killed)["t"] - killed
-    print(f"node001 committed its next step {after:.2f} s after node002's group was killed")
+    kept, killed_group = out / survivor, out / lost
+    killed = next(r["kill"] for r in records(killed_group) if "kill" in r)
+    after = next(r for r in steps([kept]) if r["t"] > killed)["t"] - killed
+    print(f"{survivor} committed its next step {after:.2f} s after {lost}'s group was killed")
     assert after < NEXT_COMMIT_S, output[-3000:]
-    assert len({r["pid"] for r in steps([survivor])}) == 1, "node001 was restarted"
-    assert steps([survivor])[-1]["groups"] == 1, "node001 finished alone"
-    check_against_one_process([survivor, lost], [survivor])
+    assert len({r["pid"] for r in steps([kept])}) == 1, f"{survivor} was restarted"
+    assert steps([kept])[-1]["groups"] == 1, f"{survivor} finished alone"
+    check_against_one_process([kept, killed_group], [kept])
 
 
 @pytest.mark.slurm
@@ -370,3 +388,66 @@ def test_mpirun_runs_the_demo_and_a_script_under_ddpkit_run(tmp_path: Path) -> N
     script = _run([*mpirun, *DDPKIT, "run", str(ROOT / "examples" / "train.py"), "--epochs", "2"], tmp_path)
     assert script.returncode == 0, script.stderr
     assert re.fullmatch(r"2 ranks, 2 epochs: validation accuracy 0\.9\d+\n", script.stdout), script.stdout
+
+
+#: ``ssh [OPTIONS] HOST COMMAND`` as Open MPI's rsh launcher calls it: COMMAND runs on this machine, in a UTS
+#: namespace whose host name is HOST. Each "node" gets a daemon of its own, its tasks alone on their node.
+_SSH_STAND_IN = """#!/bin/sh
+while [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done
+host=$1
+shift
+exec unshare -u /bin/sh -c 'hostname "$0" && exec /bin/sh -c "$1"' "$host" "$*"
+"""
+
+
+def _guide_mpirun_line() -> str:
+    guide = (ROOT / "docs" / "fault-tolerance.md").read_text()
+    found = re.search(r"```bash\n(mpirun .*?)\n```", guide, re.DOTALL)
+    assert found is not None, "fault-tolerance.md has no mpirun line"
+    return found.group(1)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_the_fault_tolerance_guides_mpirun_line_loses_a_node_and_the_other_finishes_the_run(tmp_path: Path) -> None:
+    """The fault-tolerance guide's `mpirun` line on two "nodes" of one rank (ompi-a and ompi-b: Open MPI starts
+    each one's daemon through a stand-in for ssh that gives it its own host name, so each task is alone on its
+    node): each node one replica group named by its host, the lighthouse served by `ddpkit lighthouse` (so that
+    no node's command stays up for it). ompi-b's group SIGKILLs itself in step 30 and is not restarted: its
+    command ends with status 1, and with --enable-recovery mpirun keeps ompi-a's task, which commits its next step
+    within seconds and finishes the run alone; every item once per epoch, the weights of one process."""
+    pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+    if subprocess.run(["unshare", "-u", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -u (a UTS namespace, as root) is not possible here")
+
+    ssh = tmp_path / "ssh"
+    ssh.write_text(_SSH_STAND_IN)
+    ssh.chmod(0o755)
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    line, port = _guide_mpirun_line(), _free_port()
+    changes = {
+        "node001,node002": "ompi-a,ompi-b",  # no /etc/hosts entries: Open MPI takes them for other machines
+        "node001:29510": f"127.0.0.1:{port}",  # both "nodes" share this machine's loopback
+        ".venv/bin/ddpkit": f"{sys.executable} -m ddpkit",
+        "-n 4": "-n 1",
+        "--max-restarts 3": "--max-restarts 0",
+        "~/.ddpkit-secret": str(secret),
+        "examples/fault_tolerant.py": f"-m tests.e2e.ft_trainloop - - {tmp_path} 30 0.35",
+    }
+    for old, new in changes.items():
+        assert old in line, old
+        line = line.replace(old, new)
+    env = {**job_environment(), "OMPI_MCA_plm_rsh_agent": str(ssh), "OMPI_MCA_routed": "direct",
+           "FT_KILL_GROUP": "ompi-b", "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # tests.e2e.ft_trainloop
+    lighthouse = subprocess.Popen([*DDPKIT, "lighthouse", "--host", "127.0.0.1", "--port", str(port)], env=env)
+    try:
+        assert holds_within(lambda: _listens("127.0.0.1", port), 30), "the lighthouse never listened"
+        done = subprocess.run(line.split(), cwd=ROOT, capture_output=True, text=True, timeout=260, env=env)
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait()
+    output = done.stdout + done.stderr
+    assert output.count("served by another process") == 2, output[-3000:]
+    _check_one_node_finished_alone(output, tmp_path, "ompi-a", "ompi-b")

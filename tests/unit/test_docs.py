@@ -90,8 +90,9 @@ def shell_blocks() -> dict[tuple[str, int], str]:
 
 #: How the blocks that this test does not run itself run: the quick start is CI's own script, and the sbatch
 #: scripts (the clusters guide's, the fault-tolerance guide's) are submitted to the two-node Slurm cluster by
-#: tests/e2e/test_schedulers.py.
-ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("clusters.md", 1), ("fault-tolerance.md", 3)}
+#: tests/e2e/test_schedulers.py, which also runs the fault-tolerance guide's mpirun line on two "nodes".
+ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("clusters.md", 1), ("fault-tolerance.md", 3),
+             ("fault-tolerance.md", 4)}  # fmt: skip
 
 #: What a block needs to run on one 2-core machine, by (page, index): ``nodes`` (2: every line that names
 #: ``--nnodes 2`` is started twice at once, one "node" each, on loopback) and the text it changes, each with
@@ -153,9 +154,11 @@ def test_every_shell_block_of_the_readme_and_the_guides_is_run_by_a_test() -> No
     assert sorted((ELSEWHERE | set(RUNS)) - set(blocks)) == [], "a block that moved: update RUNS and ELSEWHERE"
     for key in ("README.md", 0), ("getting-started.md", 0):
         assert blocks[key].splitlines() == quick_start_commands()  # and CI runs them: see the test above
-    from tests.e2e.test_schedulers import _guide_job_script
+    from tests.e2e.test_schedulers import _guide_job_script, _guide_mpirun_line
 
     assert _guide_job_script() == blocks["clusters.md", 1]
+    assert _guide_job_script("fault-tolerance.md") == blocks["fault-tolerance.md", 3]
+    assert _guide_mpirun_line() + "\n" == blocks["fault-tolerance.md", 4]
     for key, run in RUNS.items():
         for old in run.get("replace", {}):
             assert old in blocks[key], f"{key}: {old!r} is no longer in the block"

@@ -6,6 +6,7 @@ tests/e2e/test_fault_tolerance.py.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -277,6 +278,47 @@ def test_ddpkit_run_fault_tolerance_on_several_nodes_names_what_it_lacks(
     assert said in capsys.readouterr().err
 
 
+_OPEN_MPI_TASK = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}  # fmt: skip
+_SLURM_TASK = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_NODEID": "1", "SLURM_JOB_ID": "77",
+               "SLURM_JOB_NODELIST": "localhost,127.0.0.1"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("task", "nnodes", "said"),
+    [  # one task a node: it goes on (to the next thing it lacks, the secret); several a node: refused
+        ({**_OPEN_MPI_TASK, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, "2", "needs the job secret"),
+        ({**_SLURM_TASK, "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "1(x2)"}, "2", "needs the job secret"),
+        ({**_OPEN_MPI_TASK, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "2", "not as one of several tasks of mpi on a node"),
+        (
+            {
+                **_SLURM_TASK,
+                "SLURM_LOCALID": "1",
+                "SLURM_NODEID": "0",
+                "SLURM_TASKS_PER_NODE": "2",
+                "SLURM_JOB_NODELIST": "localhost",
+            },
+            "2",
+            "not as one of several tasks of slurm on a node",
+        ),
+        ({**_OPEN_MPI_TASK, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, "1", "run it as one task a node with --nnodes"),
+    ],
+)
+def test_ddpkit_run_fault_tolerance_under_srun_or_mpirun_takes_one_task_a_node(
+    task: dict[str, str], nnodes: str, said: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit.cli import main
+
+    monkeypatch.delenv(SECRET_VARIABLE, raising=False)
+    for name, value in task.items():
+        monkeypatch.setenv(name, value)
+    arguments = ["--nnodes", nnodes, "--rdzv-endpoint", "127.0.0.1:29510"]
+    assert main(["run", "--fault-tolerance", "-n", "2", *arguments, "tests/e2e/ft_trainloop.py"]) == 2
+    assert said in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("arguments", "said"),
     [
@@ -366,3 +408,19 @@ def test_fit_distributed_with_fault_tolerance_honours_gloo_and_the_timeout() -> 
     settings = _honoured(TorchFT(min_replicas=2), backend="gloo", timeout=12.5, **arguments)
     assert settings == TorchFT(min_replicas=2, timeout=12.5), "the step's deadline, as DDP's hang timeout"
     assert _honoured(TorchFT(timeout=7), backend=None, timeout=None, **arguments) == TorchFT(timeout=7)
+
+
+def test_a_nodes_command_warns_when_its_ranks_outnumber_its_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ddpkit.fault_tolerance import _job
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # mpirun bound the task to one core
+    assert _job._crowded(4) == (
+        "this command may run on 1 of the machine's 8 cores (its CPU affinity) and its 4 ranks share them: give "
+        "the task the node's cores (srun --cpus-per-task N; mpirun --bind-to none)"
+    )
+    assert _job._crowded(1) == "", "one rank on one core"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert _job._crowded(16) == "", "every core of the machine: nothing to give"

@@ -27,6 +27,7 @@ from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
 from ddpkit.fault_tolerance._replica import local_address
 from ddpkit.fault_tolerance._settings import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
+from ddpkit.jobs._agent import default_nprocs
 
 __all__ = ["run_node_group", "run_replica_groups", "serve_until_interrupted"]
 
@@ -100,6 +101,9 @@ def run_node_group(
         raise ValueError(str(error)) from None
     print(f"ddpkit: replica group {name!r} ({nprocs or 'one per GPU, or 1'} ranks), one of {nnodes}; torchft's "
           f"lighthouse at {lighthouse}, {where}{listening}", file=sys.stderr, flush=True)  # fmt: skip
+    crowded = _crowded(nprocs)
+    if crowded:
+        print(f"ddpkit: warning: {crowded}", file=sys.stderr, flush=True)
     try:
         child = _start_group(script, script_args, name, nprocs, lighthouse, max_restarts, module, secret.decode(),
                              nnodes, {CLUSTER_ENV_VARIABLE: "local"})  # fmt: skip
@@ -113,6 +117,21 @@ def run_node_group(
     finally:
         if served is not None:
             served.shutdown()
+
+
+def _crowded(nprocs: int | None) -> str:
+    """What to say when this command may run on fewer cores than the ranks it starts (they inherit its CPU
+    affinity: one core, where srun gave the task one CPU or mpirun bound it to one); ``""`` otherwise."""
+    if not hasattr(os, "sched_getaffinity"):
+        return ""
+    cores, machine = len(os.sched_getaffinity(0)), os.cpu_count() or 1
+    ranks = nprocs or default_nprocs()
+    if cores >= ranks or cores >= machine:
+        return ""
+    return (
+        f"this command may run on {cores} of the machine's {machine} cores (its CPU affinity) and its {ranks} "
+        "ranks share them: give the task the node's cores (srun --cpus-per-task N; mpirun --bind-to none)"
+    )
 
 
 def _lighthouse_here(host: str, port: int, min_replicas: int) -> Lighthouse | None:

@@ -11,7 +11,7 @@ import multiprocessing
 import os
 import pickle
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,7 @@ _IMPORTED_IN = os.getpid()
 _FORKSERVER_ENVIRON = dict(os.environ)
 
 
-def scheduler_environment() -> ClusterEnvironment | None:
+def scheduler_environment(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
     """The cluster environment, when a scheduler already started this job's processes; else ``None``.
 
     That is: :func:`~ddpkit.detect_environment` reports processes created
@@ -71,9 +71,9 @@ def scheduler_environment() -> ClusterEnvironment | None:
     launcher of its own). :func:`~ddpkit.launch` and :func:`~ddpkit.run_script`
     then run in this process instead of spawning.
     """
-    env = detect_environment()
-    started = is_one_of_several_ranks(env) or (env.creates_processes_externally and env.name == "torchelastic")
-    return env if started else None
+    found = detect_environment(env)
+    started = is_one_of_several_ranks(found) or (found.creates_processes_externally and found.name == "torchelastic")
+    return found if started else None
 
 
 def run_as_rank(env: ClusterEnvironment, spec: WorkerSpec, args: tuple[Any, ...]) -> Any:
