@@ -22,9 +22,11 @@ from ddpkit.errors import HangError, WorkerFailedError
 
 __all__ = [
     "FAILURE_DIR_VARIABLE",
+    "StopWithoutRestart",
     "earliest",
     "hang_record",
     "read_records",
+    "stopped_record",
     "worker_failed_error",
     "write_hang_record",
     "write_record",
@@ -32,6 +34,15 @@ __all__ = [
 
 #: Environment variable naming the directory where workers write their failure records.
 FAILURE_DIR_VARIABLE = "DDPKIT_FAILURE_DIR"
+
+
+class StopWithoutRestart(SystemExit):
+    """A worker's exit (status 1) that an agent with restarts left must not answer by starting the workers
+    again: the job was told to stop (SLURM's warning before the walltime, with the state in a checkpoint).
+
+    A worker of ``ddpkit run`` records it and exits with status 0 instead, every rank at the same step, so that
+    the agent ends rather than restarts; ``ddpkit run`` then reads the record and ends with status 1.
+    """
 
 
 def write_record(directory: str | os.PathLike[str], exc: BaseException) -> None:
@@ -49,6 +60,8 @@ def write_record(directory: str | os.PathLike[str], exc: BaseException) -> None:
         "error": f"{type(exc).__name__}: {exc}",
         "traceback": traceback.format_exc(),
     }
+    if isinstance(exc, StopWithoutRestart):
+        record["stopped"] = True
     _write(directory, record)
 
 
@@ -102,6 +115,11 @@ def read_records(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]
 def earliest(records: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     """The record written first (the root cause on one machine), or ``None`` for no records."""
     return min(records.values(), key=lambda r: float(r["time"])) if records else None
+
+
+def stopped_record(records: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The lowest rank's record of a :class:`StopWithoutRestart`, if any rank wrote one."""
+    return next((records[rank] for rank in sorted(records) if records[rank].get("stopped")), None)
 
 
 def hang_record(records: dict[int, dict[str, Any]]) -> dict[str, Any] | None:

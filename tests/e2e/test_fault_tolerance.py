@@ -327,6 +327,46 @@ def test_slurms_warning_to_one_group_stops_every_group_at_one_step_with_a_checkp
 
 
 @pytest.mark.timeout(300)
+def test_slurms_warning_stops_replica_groups_under_their_agents_and_no_agent_starts_them_again(
+    tmp_path: Path,
+) -> None:
+    """`ddpkit run --fault-tolerance -n 2 --max-restarts 2` in a SLURM job (SLURM_JOB_ID), a checkpoint_dir:
+    SIGUSR1 to the command, as `srun` passes SLURM's warning on, reaches both groups' ranks through their
+    agents; both stop after the same committed step with a checkpoint, and no agent starts them again though
+    restarts are left: the command ends with status 1. Started again, they resume after that step and end with
+    one process's weights."""
+    checkpoints, log = tmp_path / "checkpoints", tmp_path / "job.log"
+    trainloop = ["-m", "tests.e2e.ft_trainloop", "-", "-"]
+    command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", "2", "--max-restarts", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    first, again = tmp_path / "first", tmp_path / "again"
+    first.mkdir(), again.mkdir()
+    with open(log, "wb") as output:
+        job = subprocess.Popen([*command, *trainloop, str(first), "0", str(STEP_DELAY_S), str(checkpoints)],
+                               stdout=output, stderr=subprocess.STDOUT, env={**env, "SLURM_JOB_ID": "41"},
+                               start_new_session=True)  # fmt: skip
+        outs = [first / "group-0", first / "group-1"]
+        wait_for(lambda: len(_steps(outs[1:])) >= 15, "15 steps", [job], timeout=120)
+        os.kill(job.pid, signal.SIGUSR1)
+        job.wait(timeout=60)
+    said = log.read_text(errors="replace")
+    assert job.returncode == 1, said[-3000:]
+    assert "restart 1 of 2" not in said, said[-3000:]
+    stops = re.findall(r"ddpkit: rank 0 stopped \(Preempted: SIGUSR1 at step (\d+)\): the workers are not started "
+                       r"again", said)  # fmt: skip
+    last = [max(r["step"] for r in _steps([out])) for out in outs]
+    assert last[0] == last[1], f"the groups stopped after steps {last}"
+    assert [int(step) for step in stops] == [last[0] + 1] * 2, said[-3000:]
+    assert [len({r["pid"] for r in _steps([out])}) for out in outs] == [1, 1], "a group was started again"
+    done = subprocess.run([*command, *trainloop, str(again), "0", "0", str(checkpoints)], capture_output=True,
+                          text=True, env=env, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = [again / "group-0", again / "group-1"]
+    assert min(r["step"] for r in _steps(resumed)) == last[0] + 1, "not resumed after the step both stopped at"
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(resumed, resumed, count=False)
+
+
+@pytest.mark.timeout(300)
 def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_while_the_others_go_on(
     tmp_path: Path,
 ) -> None:

@@ -107,8 +107,12 @@ def run_node_group(
     try:
         child = _start_group(script, script_args, name, nprocs, lighthouse, max_restarts, module, secret.decode(),
                              nnodes, {CLUSTER_ENV_VARIABLE: "local"})  # fmt: skip
-        status = _wait([child])[0]
-        if status not in (0, 130):
+        warned: list[int] = []
+        status = _wait([child], warned)[0]
+        if status not in (0, 130) and warned:
+            print(f"ddpkit: replica group {name!r} stopped after SLURM's warning (SIGUSR1, passed on to its ranks), "
+                  f"exit status {status}", file=sys.stderr, flush=True)  # fmt: skip
+        elif status not in (0, 130):
             print(f"ddpkit: replica group {name!r} ended with exit status {status} (no restart left): the other "
                   "groups go on without it", file=sys.stderr, flush=True)  # fmt: skip
         if served is not None and status != 130:
@@ -226,17 +230,19 @@ def _start_group(
     return subprocess.Popen([*command, script, *script_args], env=env)
 
 
-def _wait(children: list[subprocess.Popen[bytes]]) -> list[int]:
+def _wait(children: list[subprocess.Popen[bytes]], warned: list[int] | None = None) -> list[int]:
     """Wait for every group; Ctrl-C or SIGTERM here stops them all, SIGUSR1 (SLURM's warning before the
-    walltime) goes on to their agents, which hand it to their ranks. Their exit statuses."""
+    walltime) goes on to their agents, which hand it to their ranks (and into ``warned``). Their exit statuses."""
 
     def forward(signum: int, frame: object) -> None:
+        if warned is not None:
+            warned.append(signum)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
 
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    warned = signal.signal(signal.SIGUSR1, forward)
+    before = signal.signal(signal.SIGUSR1, forward)
     try:
         return [child.wait() for child in children]
     except KeyboardInterrupt:
@@ -248,4 +254,4 @@ def _wait(children: list[subprocess.Popen[bytes]]) -> list[int]:
         return [130] * len(children)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGUSR1, warned)
+        signal.signal(signal.SIGUSR1, before)

@@ -26,6 +26,7 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import traceback
@@ -37,7 +38,13 @@ from typing import Any
 
 import torch
 
-from ddpkit._failures import FAILURE_DIR_VARIABLE, read_records, worker_failed_error
+from ddpkit._failures import (
+    FAILURE_DIR_VARIABLE,
+    StopWithoutRestart,
+    read_records,
+    stopped_record,
+    worker_failed_error,
+)
 from ddpkit._secret import SECRET_VARIABLE, export_job_secret, job_secret, new_job_secret
 from ddpkit._stores import hosting_address, release_store, route_address, serve_store
 from ddpkit.environments import is_loopback
@@ -278,6 +285,11 @@ def translated_failures(
         try:
             with _refusal_first():
                 yield
+            stopped = stopped_record(read_records(failure_dir))
+            if stopped is not None:  # its workers exited with status 0 so that the agent ended
+                print(f"ddpkit: rank {stopped['rank']} stopped ({stopped['error']}): the workers are not started "
+                      "again", file=sys.stderr, flush=True)  # fmt: skip
+                raise StopWithoutRestart(1)
         except ChildFailedError as err:  # torch's text repeats a worker's traceback that ours names
             _release_frames(err)
             log.write_tracebacks()

@@ -13,7 +13,7 @@ import os
 import runpy
 import sys
 
-from ddpkit._failures import FAILURE_DIR_VARIABLE, earliest, read_records, write_record
+from ddpkit._failures import FAILURE_DIR_VARIABLE, StopWithoutRestart, earliest, read_records, write_record
 from ddpkit._orphans import children_die_with_this_process, die_with_parent
 from ddpkit._stores import serve_store
 from ddpkit.hangs._watchdog import enable_flight_recorder, hang_timeout, start_watchdog
@@ -71,6 +71,8 @@ def run_target(target: str, args: list[str], as_module: bool = False) -> None:
     except SystemExit as exc:
         if directory and exc.code not in (None, 0):
             write_record(directory, exc)
+        if directory and isinstance(exc, StopWithoutRestart):
+            raise SystemExit(0) from None  # the agent ends instead of starting the workers again (see its record)
         raise
     except BaseException as exc:
         if directory:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ddpkit._failures import StopWithoutRestart
 from ddpkit.collectives import sync_ddp
 from ddpkit.environments import detect_environment
 from ddpkit.fault_tolerance._settings import LIGHTHOUSE_VARIABLE
@@ -37,17 +38,23 @@ __all__ = ["Preempted", "PreemptionHandler"]
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
-class Preempted(SystemExit):
+class Preempted(StopWithoutRestart):
     """A ``TrainLoop`` stopped because SLURM signalled the job; its checkpoint holds the state.
 
     A ``SystemExit`` (status 1, no traceback): code after ``fit`` must not run
-    as if training had finished. Attributes: ``signal_name`` (``"SIGUSR1"``,
-    ``"SIGTERM"``), ``step`` (optimizer steps taken) and ``requeued``.
+    as if training had finished. Under ``ddpkit run``'s agent (a fault-tolerant
+    job's replica group) the ranks are not started again, whatever restarts are
+    left: ``ddpkit run`` ends with status 1. Attributes: ``signal_name``
+    (``"SIGUSR1"``, ``"SIGTERM"``), ``step`` (optimizer steps taken) and
+    ``requeued``.
     """
 
     def __init__(self, signal_name: str, step: int, requeued: bool) -> None:
         super().__init__(1)
         self.signal_name, self.step, self.requeued = signal_name, step, requeued
+
+    def __str__(self) -> str:
+        return f"{self.signal_name} at step {self.step}" + (", requeued" if self.requeued else "")
 
 
 class PreemptionHandler:
