@@ -42,9 +42,9 @@ __all__ = [
     "SignedStore",
     "check_members",
     "gloo_addresses",
+    "member_address",
     "proof_timeout",
     "prove_members",
-    "sockaddr",
 ]
 
 #: Where users read what the job secret protects and how to give it.
@@ -269,21 +269,41 @@ def gloo_addresses(group: dist.ProcessGroup | None = None) -> dict[int, str]:
         prefix = "" if isinstance(store, SignedStore) else "default_pg/"  # a signed store holds "default_pg" in it
         keys = {f"{prefix}{name}//cpu//0/{member}": member for member in range(size)}
         present = [key for key in keys if store.check([key])]
-        return {keys[key]: address for key in present if (address := sockaddr(bytes(store.get(key))))}
+        return {keys[key]: address for key in present if (address := gloo_address(bytes(store.get(key))))}
     except Exception:  # another backend or store: the message goes without addresses
         return {}
 
 
 def sockaddr(data: bytes) -> str:
-    """The first IPv4 or IPv6 socket address (``sockaddr_in``/``sockaddr_in6``, as Linux lays them out) in ``data``."""
-    for offset in range(len(data) - 8):
-        family = int.from_bytes(data[offset : offset + 2], "little")
-        port = int.from_bytes(data[offset + 2 : offset + 4], "big")
-        if family == socket.AF_INET and port:
-            return f"{ipaddress.IPv4Address(data[offset + 4 : offset + 8])}:{port}"
-        if family == socket.AF_INET6 and port and offset + 24 <= len(data):
-            return f"[{ipaddress.IPv6Address(data[offset + 8 : offset + 24])}]:{port}"
+    """The IPv4 or IPv6 socket address (``sockaddr_in``/``sockaddr_in6``, as Linux lays them out) at the start of
+    ``data``; ``""`` when there is none."""
+    if len(data) < 8:
+        return ""
+    family, port = int.from_bytes(data[:2], "little"), int.from_bytes(data[2:4], "big")
+    if family == socket.AF_INET and port:
+        return f"{ipaddress.IPv4Address(data[4:8])}:{port}"
+    if family == socket.AF_INET6 and port and len(data) >= 24:
+        return f"[{ipaddress.IPv6Address(data[8:24])}]:{port}"
     return ""
+
+
+def gloo_address(data: bytes) -> str:
+    """The socket address in gloo's address of a member: its host name and its ``sockaddr_storage``, each after
+    its length (8 bytes, little-endian), as torch 2.13's gloo writes it, or the ``sockaddr_storage`` first, as
+    earlier ones did; ``""`` when ``data`` is neither. Nothing else is read: the ``sockaddr_storage``'s padding
+    is whatever memory gloo left there."""
+    name = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if 0 <= name <= 255 and len(data) >= 16 + name:
+        size = int.from_bytes(data[8 + name : 16 + name], "little")
+        if 8 <= size <= len(data) - 16 - name:
+            return sockaddr(data[16 + name : 16 + name + size])
+    return sockaddr(data)
+
+
+def member_address(raw: bytes) -> str:
+    """The socket address in a store value that holds a member's gloo address, signed (the digest first: with
+    another secret) or not (a stranger's own); ``""`` when none is found."""
+    return gloo_address(raw[DIGEST_BYTES:]) or gloo_address(raw)
 
 
 class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does not type it
@@ -330,7 +350,7 @@ class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does
         if not hmac.compare_digest(signature, self._tag(key, value)):
             name = self._name_key(key)
             # An address: where it would have sent the group (signed with another secret, or a stranger's own).
-            pointed = (sockaddr(value) or sockaddr(raw)) if "address" in name else ""
+            pointed = member_address(raw) if "address" in name else ""
             raise GroupProofError(
                 f"{name} in the group's store{f' (it points to {pointed})' if pointed else ''} was not written by a "
                 f"process that holds the job secret ({secret_source()}): a program that reached the store put its "

@@ -8,6 +8,7 @@ tests/e2e/test_nobody_else_joins.py.
 from __future__ import annotations
 
 import base64
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -178,3 +179,26 @@ def test_clones_of_the_signed_store_sign_and_outlive_torchs_hold_on_them() -> No
     base.set("default_pg/0//ddpkit/hang/answer/1", b"a stranger's")
     with pytest.raises(GroupProofError, match=r"the value of the key '0//ddpkit/hang/answer/1' in the group's store"):
         mine.get("ddpkit/hang/answer/1")
+
+
+#: A member's gloo address as torch 2.13's gloo writes it in the store (read from a real group): its host name
+#: ("vm") and its sockaddr_storage (127.0.0.1:35779), each after its length, then more. The sockaddr_storage's
+#: padding holds whatever memory gloo left there: here bytes that read as an IPv6 address further on.
+_GLOO_ADDRESS = bytes.fromhex(
+    "0200000000000000766d880000000000000002008bc37f00000100000000000000003facbc73bc3ebfbfbfbfbfbfbfbfbfbf0000000000"
+    "0000000000000000000000000000000000000000000000000000002d2e2324efeff1bfdfbfdf3631283333242ddf2138df322b34312cec"
+    "342fed320000000000000000000000000000000000000000000000000000000000000000ffffffffffffffff0000000000000000010000"
+    "0000000000"
+)
+
+
+def test_the_address_in_a_members_store_value_is_read_from_gloos_layout_not_from_its_padding() -> None:
+    from ddpkit._group_proof import gloo_address, member_address
+    from ddpkit._secret import DIGEST_BYTES
+
+    assert gloo_address(_GLOO_ADDRESS) == "127.0.0.1:35779"
+    assert member_address(_GLOO_ADDRESS) == "127.0.0.1:35779", "a stranger's own, unsigned"
+    assert member_address(os.urandom(DIGEST_BYTES) + _GLOO_ADDRESS) == "127.0.0.1:35779", "signed with another secret"
+    earlier = _GLOO_ADDRESS[18 : 18 + 136]  # the sockaddr_storage first, as gloo wrote it before torch 2.13
+    assert gloo_address(earlier) == "127.0.0.1:35779"
+    assert gloo_address(b"not an address") == ""

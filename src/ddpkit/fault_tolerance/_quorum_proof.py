@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from ddpkit._group_proof import SignedStore, check_members, sockaddr
-from ddpkit._secret import DIGEST_BYTES
+from ddpkit._group_proof import SignedStore, check_members, member_address
 from ddpkit.fault_tolerance._torchft import torchft_module
 
 __all__ = ["proven_gloo"]
@@ -143,7 +142,7 @@ def _names(store_addr: str, size: int, ids: list[str], timeout: float) -> dict[i
         )
         for rank in range(size):
             raw = bytes(store.get(f"0/{rank}"))  # signed (32 bytes first) by a member; a stranger's may not be
-            addresses[rank] = sockaddr(raw[DIGEST_BYTES:]) or sockaddr(raw)
+            addresses[rank] = member_address(raw)
     except Exception:  # the message goes without addresses
         pass
     names = {}
