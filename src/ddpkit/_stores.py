@@ -176,8 +176,9 @@ def route_address(host: str) -> str | None:
     return None
 
 
-def hosting_address(host: str) -> str:
-    """The address of this machine that ``host`` (the rendezvous host) names, to serve its store on.
+def hosting_address(host: str, serving: str = "the rendezvous") -> str:
+    """The address of this machine that ``host`` (the rendezvous host) names, to serve its store on
+    (``serving``: what is served there, for the message: ``"torchft's lighthouse"``, say).
 
     Raises:
         RendezvousFailedError: ``host`` names none of this machine's addresses
@@ -198,11 +199,13 @@ def hosting_address(host: str) -> str:
         return remote[0]
     what = f"resolves to {', '.join(candidates)}" if candidates else "does not resolve"
     if usable:
-        what += ", a loopback address on this machine, where the other nodes could not reach the store"
+        what += ", a loopback address on this machine, where the other nodes could not reach it"
+    rendezvous = serving == "the rendezvous"
+    give = "the rendezvous endpoint" if rendezvous else "its host"
     raise RendezvousFailedError(
-        f"this node is to host the rendezvous at {host}, but {host} {what}; this machine's addresses are "
-        f"{', '.join(mine) or '(they could not be listed)'}. Give the rendezvous endpoint as this machine's address "
-        "on the network that reaches the other nodes, or start this node with is_host=false"
+        f"this node is to host {serving} at {host}, but {host} {what}; this machine's addresses are "
+        f"{', '.join(mine) or '(they could not be listed)'}. Give {give} as this machine's address on the network "
+        "that reaches the other nodes" + (", or start this node with is_host=false" if rendezvous else "")
     )
 
 

@@ -424,3 +424,29 @@ def test_a_nodes_command_warns_when_its_ranks_outnumber_its_cores(
     assert _job._crowded(1) == "", "one rank on one core"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert _job._crowded(16) == "", "every core of the machine: nothing to give"
+
+
+def test_a_lighthouse_host_whose_name_resolves_to_loopback_here_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Debian maps a machine's own name to 127.0.1.1: a lighthouse there would be out of the other nodes' reach,
+    and this node would wait for one that nobody serves."""
+    import socket
+
+    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit.cli import main
+
+    resolve = socket.getaddrinfo
+
+    def own_name_on_loopback(host: str, *args: Any, **kwargs: Any) -> Any:
+        return resolve("127.0.1.1" if host == "node001" else host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", own_name_on_loopback)
+    monkeypatch.setenv(SECRET_VARIABLE, "ab" * 32)
+    arguments = ["--nnodes", "2", "--rdzv-endpoint", "node001:29510"]
+    assert main(["run", "--fault-tolerance", "-n", "1", *arguments, "tests/e2e/ft_trainloop.py"]) == 2
+    said = "--rdzv-endpoint node001:29510: node001 resolves to 127.0.1.1 here, a loopback address that the other"
+    assert said in capsys.readouterr().err
+    assert main(["lighthouse", "--host", "node001", "--port", "29510"]) == 1
+    said = "this node is to host torchft's lighthouse at node001, but node001 resolves to 127.0.1.1, a loopback"
+    assert said in capsys.readouterr().err

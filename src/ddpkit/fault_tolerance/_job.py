@@ -10,6 +10,7 @@ processes.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
-from ddpkit.environments import CLUSTER_ENV_VARIABLE
+from ddpkit.environments import CLUSTER_ENV_VARIABLE, is_loopback
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
 from ddpkit.fault_tolerance._replica import local_address
@@ -143,12 +144,32 @@ def _lighthouse_here(host: str, port: int, min_replicas: int) -> Lighthouse | No
     address or another process of this machine serves that port already (a second "node" of one machine)."""
     try:
         return serve_lighthouse(host, port, min_replicas=min_replicas)
-    except RendezvousFailedError:  # not this machine's address
+    except RendezvousFailedError:  # not this machine's address, or only its loopback
+        loopback = _loopback_only(host)
+        if loopback:
+            raise ValueError(
+                f"--rdzv-endpoint {host}:{port}: {host} resolves to {loopback} here, a loopback address that the "
+                f"other nodes cannot reach (is {host} mapped to 127.0.1.1 in /etc/hosts?); give the endpoint as "
+                "this machine's address on the network that reaches the other nodes (its IP address, say)"
+            ) from None
         return None
     except Exception as error:  # torchft's bind error: taken, by the lighthouse another node here serves
         if "in use" not in str(error).lower():
             raise
         return None
+
+
+def _loopback_only(host: str) -> str:
+    """The addresses ``host`` resolves to, when it is no loopback name and yet resolves to loopback addresses
+    only (Debian maps a machine's own name to 127.0.1.1); ``""`` otherwise."""
+    if is_loopback(host):
+        return ""
+    try:
+        found = sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+    except (OSError, UnicodeError):
+        return ""
+    loopback = found and all(ipaddress.ip_address(address.partition("%")[0]).is_loopback for address in found)
+    return ", ".join(found) if loopback else ""
 
 
 def _serve_while_others_heartbeat(served: Lighthouse) -> None:

@@ -65,7 +65,7 @@ def serve_lighthouse(
         raise ValueError(
             f"join_timeout={join_timeout} and heartbeat_timeout={heartbeat_timeout} must be positive (seconds)"
         )
-    address = bracketed(hosting_address(host))
+    address = bracketed(hosting_address(host, "torchft's lighthouse"))
     server = torchft_module("torchft._torchft").LighthouseServer(
         bind=f"{address}:{port}", min_replicas=min_replicas, join_timeout_ms=round(join_timeout * 1000),
         heartbeat_timeout_ms=round(heartbeat_timeout * 1000),
