@@ -361,7 +361,7 @@ def _run_node_group(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except ValueError as error:
         return _fail("run", error, status=2)
-    except (ImportError, RendezvousFailedError) as error:
+    except (ImportError, RendezvousFailedError, PortTakenError) as error:
         return _fail("run", error)
 
 

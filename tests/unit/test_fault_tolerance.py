@@ -450,3 +450,26 @@ def test_a_lighthouse_host_whose_name_resolves_to_loopback_here_is_refused_namin
     assert main(["lighthouse", "--host", "node001", "--port", "29510"]) == 1
     said = "this node is to host torchft's lighthouse at node001, but node001 resolves to 127.0.1.1, a loopback"
     assert said in capsys.readouterr().err
+
+
+def test_a_lighthouse_port_taken_by_something_else_is_named_and_one_that_a_lighthouse_holds_is_joined(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit.cli import main
+    from ddpkit.fault_tolerance._job import _lighthouse_here
+
+    monkeypatch.setenv(SECRET_VARIABLE, "ab" * 32)
+    with socket.socket() as other:  # a program of its own on the port: not torchft's lighthouse
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        arguments = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        assert main(["run", "--fault-tolerance", "-n", "1", *arguments, "tests/e2e/ft_trainloop.py"]) == 1
+    said = f"--rdzv-endpoint 127.0.0.1:{port}: the port is taken by a process that does not answer as torchft's"
+    assert said in capsys.readouterr().err
+    with serve_lighthouse("127.0.0.1") as served:  # a second "node" of this machine: the first one serves it
+        port = int(served.address.rpartition(":")[2])
+        assert _lighthouse_here("127.0.0.1", port, min_replicas=1) is None

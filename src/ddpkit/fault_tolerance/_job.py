@@ -76,7 +76,9 @@ def run_node_group(
     Raises:
         ValueError: no job secret (``--secret-file`` or ``DDPKIT_JOB_SECRET``: the lighthouse and the groups' ports
             face the network), ``endpoint`` not ``HOST:PORT``, ``nnodes`` below 1, or no route from this machine to
-            the endpoint's host.
+            the endpoint's host, or a host name that resolves to loopback on its own machine.
+        PortTakenError: the endpoint is this machine's and its port is taken by something other than torchft's
+            lighthouse.
         ImportError: torchft is not installed (the message says how to install it).
     """
     secret = job_secret()
@@ -153,10 +155,25 @@ def _lighthouse_here(host: str, port: int, min_replicas: int) -> Lighthouse | No
                 "this machine's address on the network that reaches the other nodes (its IP address, say)"
             ) from None
         return None
-    except Exception as error:  # torchft's bind error: taken, by the lighthouse another node here serves
+    except Exception as error:  # torchft's bind error: taken, by the lighthouse another node here serves?
         if "in use" not in str(error).lower():
             raise
+        if not _answers_as_lighthouse(f"http://{bracketed(host)}:{port}"):
+            raise PortTakenError(
+                f"--rdzv-endpoint {host}:{port}: the port is taken by a process that does not answer as torchft's "
+                "lighthouse; pick another port (the same on every node), or stop that process"
+            ) from None
         return None
+
+
+def _answers_as_lighthouse(address: str, timeout: float = 2.0) -> bool:
+    """Whether ``address`` (``http://HOST:PORT``) serves torchft's lighthouse status page within ``timeout``
+    seconds."""
+    try:
+        page = urllib.request.urlopen(f"{address}/status", timeout=timeout).read(65536).decode(errors="replace")
+    except (OSError, ValueError):
+        return False
+    return "heartbeating]" in page
 
 
 def _loopback_only(host: str) -> str:
