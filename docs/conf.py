@@ -83,3 +83,18 @@ def _reachable(url: str) -> bool:
 
 _inventories = {"python": "https://docs.python.org/3", "torch": "https://docs.pytorch.org/docs/stable"}
 intersphinx_mapping = {name: (url, None) for name, url in _inventories.items() if _reachable(f"{url}/objects.inv")}
+
+
+def _public_bases(app: object, name: str, obj: object, options: object, bases: list[type]) -> None:
+    """A base class private to ddpkit (in a ``ddpkit._module``) shows as its own bases instead: ``Preempted``
+    is a ``SystemExit`` to its users."""
+    shown: list[type] = []
+    for base in bases:
+        while base.__module__.startswith("ddpkit._") and base.__bases__:
+            base = base.__bases__[0]
+        shown.append(base)
+    bases[:] = shown
+
+
+def setup(app: object) -> None:
+    app.connect("autodoc-process-bases", _public_bases)  # type: ignore[attr-defined]
