@@ -399,7 +399,7 @@ def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_
         )
     back = [r for r in _steps([outs[2]]) if r["t"] > killed]
     assert len({r["pid"] for r in _steps([outs[2]])}) == 2, "group-2 was not started again"
-    assert back[0]["step"] > 30, "the restarted group started over instead of taking its peers' state"
+    assert back[0]["step"] >= 30, "the restarted group started over instead of taking its peers' state"
     assert any(r["groups"] == 3 and r["items"] for r in back), "the restarted group never trained again"
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(outs, outs)
 
@@ -436,7 +436,7 @@ def test_replica_groups_of_two_ranks_lose_a_rank_restart_that_group_and_end_as_o
     for out in restarted:
         assert len({r["pid"] for r in _steps([out])}) == 2, f"{out.name} was not started again"
         back = [r for r in _steps([out]) if r["t"] > killed]
-        assert back[0]["step"] > 30, f"{out.name} started over instead of taking its peers' state"
+        assert back[0]["step"] >= 30, f"{out.name} started over instead of taking its peers' state"
         assert any(r["groups"] == 2 and r["items"] for r in back), f"{out.name} never trained again"
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(survivors + restarted, survivors + restarted)
     saved = TrainState.load(tmp_path / "checkpoints" / "last.pt")
@@ -481,7 +481,7 @@ def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ran
         for out in lost:
             assert len({r["pid"] for r in _steps([out])}) == 2, f"{out.name} was not started again"
             back = next(r for r in _steps([out]) if r["t"] > killed)["step"]
-            assert back > step, f"{out.name} started over at step {back} instead of taking its peer's state"
+            assert back >= step, f"{out.name} started over at step {back} instead of taking its peer's state"
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(node_a + node_b, node_a + node_b)
 
 
