@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ddpkit import __version__
 from ddpkit.environments import ClusterEnvironment, detect_environment
@@ -287,6 +289,9 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("run", error)
     except ValueError as error:
         return _fail("run", error, status=2)
+    except SignalException as error:  # Ctrl-C, or SIGTERM (scancel, a walltime): torch's agent stopped the workers
+        name = signal.Signals(error.sigval).name
+        return _fail("run", f"stopped by {name}: the workers were stopped", status=128 + int(error.sigval))
     return 0
 
 

@@ -127,3 +127,28 @@ def test_workers_die_when_the_launcher_is_killed(script: Path) -> None:
             for pid in [launcher.pid, *pids]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_ddpkit_run_stops_its_workers_and_says_so_in_one_line(script: Path) -> None:
+    """SIGTERM to `ddpkit run` (scancel, a walltime, a container's stop): torch's agent stops the workers; the
+    command says so in one line, without torch's traceback, and ends with 128 + 15."""
+    out = script.parent / "out"
+    command = [sys.executable, "-m", "ddpkit", "run", "-n", "2", str(script), str(out), "hang"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as launcher:  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while len(list(out.glob("*.json"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            pids = [int(path.stem.split("-")[2]) for path in out.glob("*.json")]
+            assert len(pids) == 2, "the workers did not start"
+            launcher.send_signal(signal.SIGTERM)
+            _, stderr = launcher.communicate(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert "ddpkit run: stopped by SIGTERM: the workers were stopped" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    assert not [pid for pid in pids if alive(pid)], "workers outlived their launcher"
