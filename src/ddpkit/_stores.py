@@ -27,7 +27,15 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from ddpkit.environments import is_loopback
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 
-__all__ = ["IfTaken", "hosting_address", "local_addresses", "release_store", "route_address", "serve_store"]
+__all__ = [
+    "IfTaken",
+    "LoopbackHostError",
+    "hosting_address",
+    "local_addresses",
+    "release_store",
+    "route_address",
+    "serve_store",
+]
 
 IfTaken = Literal["raise", "peer", "torch"]
 
@@ -176,6 +184,15 @@ def route_address(host: str) -> str | None:
     return None
 
 
+class LoopbackHostError(RendezvousFailedError):
+    """The host to serve on names this machine through loopback addresses only (``addresses``), where the other
+    nodes could not reach what is served (Debian maps a machine's own name to 127.0.1.1)."""
+
+    def __init__(self, message: str, addresses: list[str]) -> None:
+        super().__init__(message)
+        self.addresses = addresses
+
+
 def hosting_address(host: str, serving: str = "the rendezvous") -> str:
     """The address of this machine that ``host`` (the rendezvous host) names, to serve its store on
     (``serving``: what is served there, for the message: ``"torchft's lighthouse"``, say).
@@ -183,8 +200,8 @@ def hosting_address(host: str, serving: str = "the rendezvous") -> str:
     Raises:
         RendezvousFailedError: ``host`` names none of this machine's addresses
             (the message names the host and the addresses this machine has),
-            or only a loopback one while the name is not loopback (the other
-            nodes could not reach a store there).
+            or (:class:`LoopbackHostError`) only a loopback one while the name
+            is not loopback (the other nodes could not reach a store there).
     """
     if is_loopback(host):
         return "127.0.0.1" if _address(host) is None else host
@@ -202,11 +219,14 @@ def hosting_address(host: str, serving: str = "the rendezvous") -> str:
         what += ", a loopback address on this machine, where the other nodes could not reach it"
     rendezvous = serving == "the rendezvous"
     give = "the rendezvous endpoint" if rendezvous else "its host"
-    raise RendezvousFailedError(
+    message = (
         f"this node is to host {serving} at {host}, but {host} {what}; this machine's addresses are "
         f"{', '.join(mine) or '(they could not be listed)'}. Give {give} as this machine's address on the network "
         "that reaches the other nodes" + (", or start this node with is_host=false" if rendezvous else "")
     )
+    if usable:
+        raise LoopbackHostError(message, sorted(set(candidates)))
+    raise RendezvousFailedError(message)
 
 
 def _is_mine(address: str, mine: list[str]) -> bool:

@@ -10,7 +10,6 @@ processes.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import signal
@@ -22,7 +21,8 @@ import urllib.request
 from collections.abc import Sequence
 
 from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
-from ddpkit.environments import CLUSTER_ENV_VARIABLE, is_loopback
+from ddpkit._stores import LoopbackHostError
+from ddpkit.environments import CLUSTER_ENV_VARIABLE
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
 from ddpkit.fault_tolerance._replica import local_address
@@ -146,19 +146,18 @@ def _lighthouse_here(host: str, port: int, min_replicas: int) -> Lighthouse | No
     address or another process of this machine serves that port already (a second "node" of one machine)."""
     try:
         return serve_lighthouse(host, port, min_replicas=min_replicas)
-    except RendezvousFailedError:  # not this machine's address, or only its loopback
-        loopback = _loopback_only(host)
-        if loopback:
-            raise ValueError(
-                f"--rdzv-endpoint {host}:{port}: {host} resolves to {loopback} here, a loopback address that the "
-                f"other nodes cannot reach (is {host} mapped to 127.0.1.1 in /etc/hosts?); give the endpoint as "
-                "this machine's address on the network that reaches the other nodes (its IP address, say)"
-            ) from None
+    except LoopbackHostError as error:  # this machine's, through loopback only: the other nodes cannot reach it
+        raise ValueError(
+            f"--rdzv-endpoint {host}:{port}: {host} resolves to {', '.join(error.addresses)} here, a loopback "
+            f"address that the other nodes cannot reach (is {host} mapped to 127.0.1.1 in /etc/hosts?); give the "
+            "endpoint as this machine's address on the network that reaches the other nodes (its IP address, say)"
+        ) from None
+    except RendezvousFailedError:  # not this machine's address
         return None
     except Exception as error:  # torchft's bind error: taken, by the lighthouse another node here serves?
         if "in use" not in str(error).lower():
             raise
-        if not _answers_as_lighthouse(f"http://{bracketed(host)}:{port}"):
+        if _status_page(f"http://{bracketed(host)}:{port}", timeout=2.0) is None:
             raise PortTakenError(
                 f"--rdzv-endpoint {host}:{port}: the port is taken by a process that does not answer as torchft's "
                 "lighthouse; pick another port (the same on every node), or stop that process"
@@ -166,27 +165,14 @@ def _lighthouse_here(host: str, port: int, min_replicas: int) -> Lighthouse | No
         return None
 
 
-def _answers_as_lighthouse(address: str, timeout: float = 2.0) -> bool:
-    """Whether ``address`` (``http://HOST:PORT``) serves torchft's lighthouse status page within ``timeout``
-    seconds."""
+def _status_page(address: str, timeout: float) -> str | None:
+    """The lighthouse's status page at ``address`` (``http://HOST:PORT``), or ``None`` when nothing answers
+    with one within ``timeout`` seconds."""
     try:
         page = urllib.request.urlopen(f"{address}/status", timeout=timeout).read(65536).decode(errors="replace")
     except (OSError, ValueError):
-        return False
-    return "heartbeating]" in page
-
-
-def _loopback_only(host: str) -> str:
-    """The addresses ``host`` resolves to, when it is no loopback name and yet resolves to loopback addresses
-    only (Debian maps a machine's own name to 127.0.1.1); ``""`` otherwise."""
-    if is_loopback(host):
-        return ""
-    try:
-        found = sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
-    except (OSError, UnicodeError):
-        return ""
-    loopback = found and all(ipaddress.ip_address(address.partition("%")[0]).is_loopback for address in found)
-    return ", ".join(found) if loopback else ""
+        return None
+    return page if "heartbeating]" in page else None
 
 
 def _serve_while_others_heartbeat(served: Lighthouse) -> None:
@@ -195,9 +181,8 @@ def _serve_while_others_heartbeat(served: Lighthouse) -> None:
     deadline = time.monotonic() + AFTER_OWN_GROUP_S
     said = False
     while time.monotonic() < deadline:
-        try:
-            status = urllib.request.urlopen(f"{served.address}/status", timeout=5).read().decode()
-        except OSError:
+        status = _status_page(served.address, timeout=5.0)
+        if status is None:
             return
         found = re.search(r"\[(\d+) heartbeating\]", status)
         if found is None or found.group(1) == "0":
