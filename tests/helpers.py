@@ -20,6 +20,8 @@ import pytest
 from ddpkit import Callback
 
 __all__ = [
+    "JOB_SECRET",
+    "OTHER_SECRET",
     "SETTLED_FORK",
     "StopAfter",
     "alive",
@@ -32,6 +34,11 @@ __all__ = [
     "settle_dying_threads",
     "state_holder",
 ]
+
+#: A job secret for the tests' jobs: strong enough (256 bits), known to the tests alone.
+JOB_SECRET = "5e0d6c1f9a2b47e3b8c4d19f0a6e2b7c3d8f1a4e9b2c6d0f7a3e5b8c1d4f9a2e"
+#: Another one, for a process that must not be taken for one of the job's.
+OTHER_SECRET = "c7a1f3e9d2b8046a5c9e1f7b3d0a8e6c2f4b9d1a7e3c5f0b8d6a2e4c9f1b7d3a"
 
 
 def alive(pid: int) -> bool:

@@ -1,54 +1,47 @@
-"""Every member of a new process group proves that it holds the job secret, before the job's data moves (private).
+"""Every member of a new process group proves that it holds the job secret, over the group's own connections,
+before the job's data moves (private).
 
 A challenge and response over the group itself, so that what is proven is who
 is at the other end of the group's own connections (not who wrote a key to a
 store): each member draws a fresh random nonce, the group all-gathers them,
 then each member all-gathers its HMAC tag over the group's context (the job,
-the round, the store it met at), its rank and every nonce. Each member checks
-every other member's tag. A member without the secret cannot make its tag,
-cannot reuse one made for another rank, group or round, and learns nothing it
-could use: only random nonces and tags move. A group where any tag is wrong, or
-where the proof does not finish within :data:`PROOF_TIMEOUT_S`, raises
+the group's id, its attempt, the store it met at), its rank, every nonce and
+what it sees of its connections (:mod:`ddpkit._channel`), with that view. Each
+member checks every other member's tag, and that the views of every connection
+between them agree: a relay on two connections fails on both sides. A member
+without the secret cannot make its tag, cannot reuse one made for another
+rank, group or job, and learns nothing it could use: only random nonces,
+addresses and tags move. A group where any tag or view is wrong, or where the
+proof does not finish within :data:`PROOF_TIMEOUT_S`, raises
 :class:`~ddpkit.errors.GroupProofError` on every member that holds the secret.
 
-:class:`SignedStore` covers what comes before: the addresses the members give
-each other in the group's store as the group forms, signed so that nobody else
-can put its own in place of a member's and relay between members (the default
-group's store with a job secret, and each fault-tolerant quorum's).
+:mod:`ddpkit._group_store` covers what comes before: the addresses the members
+give each other in the group's store as the group forms, signed for the group.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
-import socket
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpkit._secret import DIGEST_BYTES, secret_source, tag
+from ddpkit._channel import Channel
+from ddpkit._secret import DIGEST_BYTES, GUIDE, secret_source, tag
 from ddpkit.errors import GroupProofError
 
 __all__ = [
-    "GUIDE",
     "NONCE_BYTES",
     "PROOF_COLLECTIVES",
     "PROOF_TIMEOUT_S",
     "TIMEOUT_VARIABLE",
-    "SignedStore",
     "check_members",
-    "gloo_addresses",
-    "member_address",
     "proof_timeout",
     "prove_members",
 ]
-
-#: Where users read what the job secret protects and how to give it.
-GUIDE = "the documentation's Security page (docs/security.md)"
 
 #: Seconds a member waits for the others' nonces, then for their tags, unless ``DDPKIT_PROOF_TIMEOUT`` says.
 PROOF_TIMEOUT_S = 60.0
@@ -58,8 +51,7 @@ TIMEOUT_VARIABLE = "DDPKIT_PROOF_TIMEOUT"
 PROOF_COLLECTIVES = 2
 #: Bytes of each member's random nonce.
 NONCE_BYTES = 32
-_PURPOSE = "ddpkit group proof v1"
-_STORE_PURPOSE = "ddpkit group store v1"
+_PURPOSE = "ddpkit group proof v2"
 
 
 def prove_members(
@@ -69,6 +61,7 @@ def prove_members(
     *,
     timeout: float | None = None,
     addresses: Callable[[], dict[int, str]] | None = None,
+    listen: Mapping[int, list[str]] | None = None,
 ) -> None:
     """Check that every member of ``group`` holds ``secret``; every member must call it, with the same ``context``.
 
@@ -86,6 +79,10 @@ def prove_members(
             :func:`proof_timeout`).
         addresses: each member's address by its rank in the group, for the
             message (e.g. :func:`gloo_addresses`); read before the exchange.
+        listen: each member's listening addresses by rank, as this member
+            read them in the group's signed store (:attr:`SignedStore.addresses`):
+            with a gloo group, the proof then also binds each member's view of
+            its connections (a relay fails it on both sides).
 
     Raises:
         GroupProofError: a member's proof was wrong, or the proofs did not
@@ -96,6 +93,8 @@ def prove_members(
         return
     timeout = proof_timeout() if timeout is None else timeout
     found = {member: f"at {address}" for member, address in _addresses_now(addresses).items()}
+    gloo = "gloo" in str(dist.get_backend(group))
+    seeing = Channel(rank, listen) if gloo and listen else None
     device = _device(group)
     restore = _timeout_of(group)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
@@ -105,7 +104,7 @@ def prove_members(
         dist.all_gather(gathered, value, group=group)
         return gathered
 
-    check_members(all_gather, rank, size, context, secret, timeout=timeout, names=found, device=device)
+    check_members(all_gather, rank, size, context, secret, timeout=timeout, names=found, device=device, channel=seeing)
     if restore is not None:
         dist.distributed_c10d._set_pg_timeout(restore, group)
 
@@ -120,6 +119,7 @@ def check_members(
     timeout: float,
     names: Mapping[int, str] | Callable[[], Mapping[int, str]] | None = None,
     device: torch.device | None = None,
+    channel: Channel | Callable[[], Channel | None] | None = None,
 ) -> None:
     """The proof itself, over any group: ``all_gather(tensor)`` returns every member's ``tensor`` (a list of
     ``size``, in rank order) and raises when the group fails or times out. Every member must call it.
@@ -134,22 +134,42 @@ def check_members(
         names: what to call each member in a message (e.g. ``"at 10.0.0.2:4312"``), by rank; or a function
             that reads them, called only for a message.
         device: where the tensors go (default CPU).
+        channel: this member's view of the group's connections (gloo's TCP), or a function that reads it once the
+            group is made (``None`` where there is none to bind, e.g. NCCL): each member's proof then also covers
+            what it sees of its connections, and the views must agree (see :mod:`ddpkit._channel`), so a relay
+            that sits on two connections fails on both sides.
 
     Raises:
-        GroupProofError: a member's proof was wrong or the exchange failed (naming the members).
+        GroupProofError: a member's proof was wrong, the exchange failed, or a member's view of a connection
+            between the two of them is not this member's (a relay: naming the addresses).
     """
     describe = _describer(names)
     device = device or torch.device("cpu")
-    nonce = torch.tensor(list(os.urandom(NONCE_BYTES)), dtype=torch.uint8, device=device)
-    nonces = _exchange(all_gather, nonce, rank, size, timeout, describe, "nonces")
-    seen = b"".join(nonces)
-    mine = torch.tensor(list(tag(secret, _PURPOSE, context, size, rank, seen)), dtype=torch.uint8, device=device)
-    tags = _exchange(all_gather, mine, rank, size, timeout, describe, "proofs")
+    seeing = channel() if callable(channel) else channel
+    view = seeing.view() if seeing is not None else b""
+    # 1: a fresh nonce from every member, with the length of what it sees of the group's connections
+    first = os.urandom(NONCE_BYTES) + len(view).to_bytes(8, "big")
+    gathered = _exchange(all_gather, torch.tensor(list(first), dtype=torch.uint8, device=device), rank, size, timeout,
+                         describe, "nonces")  # fmt: skip
+    seen = b"".join(item[:NONCE_BYTES] for item in gathered)
+    longest = max(int.from_bytes(item[NONCE_BYTES:], "big") for item in gathered)
+    # 2: every member's tag over the group, its rank, every nonce and its view of the connections, with that view
+    mine = tag(secret, _PURPOSE, context, size, rank, seen, view) + view.ljust(longest, b"\0")
+    said = _exchange(all_gather, torch.tensor(list(mine), dtype=torch.uint8, device=device), rank, size, timeout,
+                     describe, "proofs")  # fmt: skip
+    views = [
+        item[DIGEST_BYTES : DIGEST_BYTES + int.from_bytes(gathered[member][NONCE_BYTES:], "big")]
+        for member, item in enumerate(said)
+    ]
     failed = [
         member
         for member in range(size)
-        if member != rank and not hmac.compare_digest(tags[member], tag(secret, _PURPOSE, context, size, member, seen))
-    ]
+        if member != rank
+        and not hmac.compare_digest(said[member][:DIGEST_BYTES], tag(secret, _PURPOSE, context, size, member, seen,
+                                                                     views[member]))
+    ]  # fmt: skip
+    if not failed and seeing is not None:
+        _check_channel(seeing, views, describe)
     if failed:
         names = describe()
         raise GroupProofError(
@@ -159,6 +179,26 @@ def check_members(
             "any of the job's data moved through it. Either a program outside the job took a place in the group, or "
             f"a process of the job was given another secret: give every process of the job the same one; see {GUIDE}",
             {member: names.get(member, "") for member in failed},
+        )
+
+
+def _check_channel(seeing: Channel, views: list[bytes], describe: Callable[[], dict[int, str]]) -> None:
+    """Raise :class:`GroupProofError` when a member's view of the connections (in its proof) does not mirror
+    this member's."""
+    for member, view in enumerate(views):
+        if member == seeing.rank:
+            continue
+        why = seeing.mismatch(member, view)
+        if why is None:
+            continue
+        names = describe()
+        raise GroupProofError(
+            f"{_members([member], names)} of this process group proved that it holds the job secret, but not over a "
+            f"connection of its own: {why}. The group was torn down before any of the job's data moved through it. "
+            "A program between the two relays their connection (it reached them through an address the group's "
+            f"store did not give, or controls the network): keep the job's ports where only the job reaches them; "
+            f"see {GUIDE}",
+            {member: names.get(member, "")},
         )
 
 
@@ -251,151 +291,3 @@ def _addresses_now(addresses: Callable[[], dict[int, str]] | None) -> dict[int, 
         return addresses() if addresses is not None else {}
     except Exception:  # the message must not fail for want of an address
         return {}
-
-
-def gloo_addresses(group: dist.ProcessGroup | None = None) -> dict[int, str]:
-    """``{rank in the group: "HOST:PORT"}``: where each member of a gloo ``group`` said it listens, as gloo wrote it
-    in the default group's store when the group was made (``{}`` where that cannot be read).
-
-    This is what the other members connected to, so for a member that is not
-    who it should be, it is the address of whoever took its place.
-    """
-    try:
-        store: Any = dist.distributed_c10d._get_default_store()
-        while hasattr(store, "underlying_store"):
-            store = store.underlying_store
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        name, size = pg.group_name, dist.get_world_size(group)
-        prefix = "" if isinstance(store, SignedStore) else "default_pg/"  # a signed store holds "default_pg" in it
-        keys = {f"{prefix}{name}//cpu//0/{member}": member for member in range(size)}
-        present = [key for key in keys if store.check([key])]
-        return {keys[key]: address for key in present if (address := gloo_address(bytes(store.get(key))))}
-    except Exception:  # another backend or store: the message goes without addresses
-        return {}
-
-
-def sockaddr(data: bytes) -> str:
-    """The IPv4 or IPv6 socket address (``sockaddr_in``/``sockaddr_in6``, as Linux lays them out) at the start of
-    ``data``; ``""`` when there is none."""
-    if len(data) < 8:
-        return ""
-    family, port = int.from_bytes(data[:2], "little"), int.from_bytes(data[2:4], "big")
-    if family == socket.AF_INET and port:
-        return f"{ipaddress.IPv4Address(data[4:8])}:{port}"
-    if family == socket.AF_INET6 and port and len(data) >= 24:
-        return f"[{ipaddress.IPv6Address(data[8:24])}]:{port}"
-    return ""
-
-
-def gloo_address(data: bytes) -> str:
-    """The socket address in gloo's address of a member: its host name and its ``sockaddr_storage``, each after
-    its length (8 bytes, little-endian), as torch 2.13's gloo writes it, or the ``sockaddr_storage`` first, as
-    earlier ones did; ``""`` when ``data`` is neither. Nothing else is read: the ``sockaddr_storage``'s padding
-    is whatever memory gloo left there."""
-    name = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
-    if 0 <= name <= 255 and len(data) >= 16 + name:
-        size = int.from_bytes(data[8 + name : 16 + name], "little")
-        if 8 <= size <= len(data) - 16 - name:
-            return sockaddr(data[16 + name : 16 + name + size])
-    return sockaddr(data)
-
-
-def member_address(raw: bytes) -> str:
-    """The socket address in a store value that holds a member's gloo address, signed (the digest first: with
-    another secret) or not (a stranger's own); ``""`` when none is found."""
-    return gloo_address(raw[DIGEST_BYTES:]) or gloo_address(raw)
-
-
-class SignedStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does not type it
-    """A group's store as its backend sees it: each value this member writes is signed (HMAC-SHA256 with the
-    job secret, bound to ``context`` and the key), and each value it reads must be, so that nobody else can
-    put its own address in place of a member's (and sit between two members). Counters (``add``) are not
-    signed: a stranger can only make a count wrong, which stops the group (a disruption, not a way in).
-
-    Every member of the group must wrap its store the same way, with the same ``context``.
-
-    Args:
-        inner: the store (e.g. the group's prefix store).
-        secret: the job secret.
-        context: what the group is (the same text on every member).
-        name_key: what a key's value is, for the message (default: "the value of the key ...").
-
-    Raises (from ``get``):
-        GroupProofError: a value that is not signed for this group and key (naming the key and its member).
-    """
-
-    def __init__(self, inner: Any, secret: bytes, context: str, name_key: Callable[[str], str] | None = None) -> None:
-        super().__init__()
-        self._inner, self._secret, self._context = inner, secret, context
-        self._name_key = name_key or (lambda key: f"the value of the key {key!r}")
-        self._clones: list[SignedStore] = []
-
-    def clone(self) -> SignedStore:
-        """The same store on a connection of its own (as torch's ``Store.clone``). The clone is kept alive with
-        this store: torch's stores that clone through this one hold only its C++ part, which needs it."""
-        clone = SignedStore(self._inner.clone(), self._secret, self._context, self._name_key)
-        self._clones.append(clone)
-        return clone
-
-    def _tag(self, key: str, value: bytes) -> bytes:
-        return tag(self._secret, _STORE_PURPOSE, self._context, key, value)
-
-    def set(self, key: str, value: bytes | str) -> None:
-        data = value.encode() if isinstance(value, str) else bytes(value)
-        self._inner.set(key, self._tag(key, data) + data)
-
-    def get(self, key: str) -> bytes:
-        raw = bytes(self._inner.get(key))
-        signature, value = raw[:DIGEST_BYTES], raw[DIGEST_BYTES:]
-        if not hmac.compare_digest(signature, self._tag(key, value)):
-            name = self._name_key(key)
-            # An address: where it would have sent the group (signed with another secret, or a stranger's own).
-            pointed = member_address(raw) if "address" in name else ""
-            raise GroupProofError(
-                f"{name} in the group's store{f' (it points to {pointed})' if pointed else ''} was not written by a "
-                f"process that holds the job secret ({secret_source()}): a program that reached the store put its "
-                "own there, or that member runs with another secret. The group was not made; nothing of the job's "
-                f"data moved. Give every process of the job the same secret, and keep the job's ports where only "
-                f"the job reaches them; see {GUIDE}"
-            )
-        return value
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        try:
-            if timeout is None:
-                self._inner.wait(keys)
-            else:
-                self._inner.wait(keys, timeout)
-        except Exception as exc:
-            missing = [key for key in keys if not self._present(key)] or keys
-            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise GroupProofError(
-                f"{', '.join(map(self._name_key, missing))} did not reach the group's store in time "
-                f"({first_line}): that member left, or is not a process of the job. The group was not made; nothing "
-                "of the job's data moved."
-            ) from None
-
-    def _present(self, key: str) -> bool:
-        try:
-            return bool(self._inner.check([key]))
-        except Exception:
-            return False
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._inner.check(keys))
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._inner.add(key, amount))
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._inner.delete_key(key))
-
-    def num_keys(self) -> int:
-        return int(self._inner.num_keys())
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._inner.timeout  # type: ignore[no-any-return]

@@ -1,4 +1,4 @@
-"""The ``ddpkit`` command: ``run``, ``doctor``, ``lighthouse``, ``env`` and ``demo``."""
+"""The ``ddpkit`` command: ``run``, ``doctor``, ``lighthouse``, ``secret``, ``env`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -16,12 +16,18 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ddpkit import __version__
+from ddpkit._secret import read_secret_file, use_job_secret, write_secret_file
 from ddpkit.environments import ClusterEnvironment, detect_environment
-from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
+from ddpkit.errors import (
+    ClusterEnvironmentError,
+    JobSecretError,
+    PortTakenError,
+    RendezvousFailedError,
+    WorkerFailedError,
+)
 from ddpkit.fault_tolerance._job import run_replica_groups
 from ddpkit.hangs._watchdog import hang_timeout
 from ddpkit.jobs._agent_log import VERBOSE_VARIABLE
-from ddpkit.jobs._rendezvous import use_job_secret
 from ddpkit.jobs.launch import check_target, launch, run_script, scheduler_environment
 
 __all__ = ["build_parser", "main"]
@@ -121,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-replicas", type=int, default=1, help="the fewest replica groups a step may commit with (default 1)"
     )
     lighthouse.set_defaults(handler=_lighthouse)
+
+    secret = commands.add_parser(
+        "secret",
+        help="make a job secret file (256 random bits, readable by you alone)",
+        description="Create PATH holding a new job secret: 64 random hex digits, mode 0600. Give it to every node "
+        "of a job with --secret-file PATH (keep it in a directory every node mounts, e.g. your home). An existing "
+        "file is never overwritten.",
+    )
+    secret.add_argument("path", metavar="PATH", help="the file to create")
+    secret.set_defaults(handler=_secret)
 
     env = commands.add_parser("env", help="print the detected cluster environment as JSON")
     env.set_defaults(handler=_env)
@@ -233,11 +249,24 @@ def _use_secret_file(command: str, path: str | None) -> int | None:
     if path is None:
         return None
     try:
-        with open(path, "rb") as handle:
-            use_job_secret(handle.read(), f"--secret-file {path}")
-    except (OSError, ValueError) as error:
+        use_job_secret(read_secret_file(path), f"--secret-file {path}")
+    except JobSecretError as error:
+        return _fail(command, error, status=2)
+    except OSError as error:
         return _fail(command, f"--secret-file {path}: {error}", status=2)
     return None
+
+
+def _secret(args: argparse.Namespace) -> int:
+    try:
+        write_secret_file(args.path)
+    except FileExistsError:
+        return _fail("secret", f"{args.path} exists; a job may be using it, so it is left as it is", status=2)
+    except OSError as error:
+        return _fail("secret", error, status=2)
+    print(f"ddpkit secret: wrote a new job secret (256 random bits, readable by you alone) to {args.path}; "
+          f"give it to every node: --secret-file {args.path}")  # fmt: skip
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:

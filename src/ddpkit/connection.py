@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._backends import pin_gloo_to_loopback, resolve_backend
-from ddpkit._group_proof import PROOF_COLLECTIVES, SignedStore, gloo_addresses, prove_members
+from ddpkit._group_proof import PROOF_COLLECTIVES, prove_members
+from ddpkit._group_store import SignedStore, agree_on_group_id, default_group_context, gloo_addresses
+from ddpkit._sealed import SealedKeys
 from ddpkit._secret import job_secret
 from ddpkit._stores import release_store, serve_store
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback, launched_environment
@@ -33,6 +35,8 @@ __all__ = [
     "SupportsMainAddress",
     "destroy_dist_connection",
     "ensure_dist_connection",
+    "group_context",
+    "group_keys",
     "init_dist_connection",
     "main_address_and_port",
 ]
@@ -41,6 +45,10 @@ log = logging.getLogger(__name__)
 
 #: The default group's signed store (with a job secret), kept alive for torch (see :func:`_signed_store`).
 _signed: SignedStore | None = None
+#: What the default group that this module made is (its members proved the secret for it); ``None``: none made.
+_context: str | None = None
+#: How many default groups this process made on a signed store (each signs its id under a key of its own).
+_groups_made = 0
 #: The port of the loopback store this process hosts for the default group (rank 0), if any.
 _served_port: int | None = None
 #: The default group :func:`ensure_dist_connection` created, destroyed at exit if still there.
@@ -200,14 +208,14 @@ def init_dist_connection(
         _served_port = serve_store(address, port, if_taken="torch")
     secret = job_secret()
     proved = secret is not None and size > 1
-    # What the group is, the same text on every rank: the store the ranks meet at, torchrun's run id and attempt.
-    context = (f"default group|{address}:{port}|{os.environ.get('TORCHELASTIC_RUN_ID', '')}|"
-               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}")  # fmt: skip
+    # What the group is, the same text on every rank: the store the ranks meet at, the job and its attempt (and,
+    # once its rank 0 drew it, the group's own id).
+    context = default_group_context(address, port)
     log.info("initialising process group: rank %d of %d, backend %s, master %s:%d", rank, size, backend, address, port)
     try:
         if proved and "store" not in kwargs:
             assert secret is not None
-            kwargs["store"] = _signed_store(secret, context, rank, size, kwargs)
+            kwargs["store"], context = _signed_store(secret, context, rank, size, kwargs, f"{address}:{port}")
         dist.init_process_group(backend, rank=rank, world_size=size, **kwargs)
     except BaseException:
         release_store(_served_port)
@@ -216,20 +224,29 @@ def init_dist_connection(
     if proved:
         assert secret is not None
         _prove_members(secret, context)
+    global _context
+    _context = context
     world = dist.group.WORLD
     if world is not None:  # the hang report numbers the user's collectives from 1
         watchdog.count_own_collectives(world.group_name, PROOF_COLLECTIVES if proved else 0)
     if deadline is not None:
-        watchdog.start_watchdog(deadline)
+        watchdog.start_watchdog(deadline, context=context)
 
 
-def _signed_store(secret: bytes, context: str, rank: int, size: int, kwargs: dict[str, Any]) -> Any:
+def _signed_store(
+    secret: bytes, context: str, rank: int, size: int, kwargs: dict[str, Any], where: str
+) -> tuple[Any, str]:
     """The store ``init_process_group`` would meet at (its ``init_method``, by default ``env://``: under torchrun
-    the agent's store), as a :class:`~ddpkit._group_proof.SignedStore`: every value a rank writes there (gloo's
-    and NCCL's addresses first) is signed with the job secret, and a value nobody with the secret wrote is
-    refused when read, so that nobody who reaches the store can put its own address in place of a rank's and
-    relay between the ranks (which the proof over the group's connections would not see)."""
-    global _signed
+    the agent's store), as a :class:`~ddpkit._group_store.SignedStore`, and the group's context with its id.
+
+    Rank 0 first draws the group's id and signs it into the store
+    (:func:`~ddpkit._group_store.agree_on_group_id`); then every value a rank
+    writes there (gloo's and NCCL's addresses first) is signed with the job
+    secret for this group, and a value nobody with the secret wrote for it is
+    refused when read, so that nobody who reaches the store can put its own
+    address in place of a rank's, or one from an earlier job, and relay
+    between the ranks."""
+    global _signed, _groups_made
     timeout = kwargs.get("timeout") or dist.default_pg_timeout
     store, _, _ = next(
         dist.rendezvous(  # type: ignore[attr-defined]
@@ -237,6 +254,10 @@ def _signed_store(secret: bytes, context: str, rank: int, size: int, kwargs: dic
         )
     )
     store.set_timeout(timeout)
+    base = dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
+    group = agree_on_group_id(base, rank, size, context, secret, timeout.total_seconds(), where, _groups_made)
+    _groups_made += 1
+    context = f"{context}|{group}"
 
     def name_key(key: str) -> str:
         last = key.rpartition("/")[2]
@@ -246,8 +267,8 @@ def _signed_store(secret: bytes, context: str, rank: int, size: int, kwargs: dic
 
     # The keys torch's own env:// gives the default group ("default_pg/..."), so nothing else on the store
     # meets them. The Python object is kept: torch holds only its C++ part, which cannot call its methods alone.
-    _signed = SignedStore(dist.PrefixStore("default_pg", store), secret, context, name_key)  # type: ignore[attr-defined]
-    return _signed
+    _signed = SignedStore(base, secret, context, name_key)
+    return _signed, context
 
 
 def _prove_members(secret: bytes, context: str) -> None:
@@ -258,13 +279,35 @@ def _prove_members(secret: bytes, context: str) -> None:
     """
     global _served_port
     try:
-        prove_members(None, context, secret, addresses=gloo_addresses)
+        listen = _signed.addresses if _signed is not None and _signed.context == context else None
+        prove_members(None, context, secret, addresses=gloo_addresses, listen=listen)
     except BaseException:
         dist.destroy_process_group()
         release_store(_served_port)
         _served_port = None
         raise
     log.info("every rank of the default group proved that it holds the job secret")
+
+
+def group_context() -> str:
+    """What the default process group is, as its members proved the job secret for it when this module made it
+    (the job, its attempt, its store and the id its rank 0 drew), else as its variables say
+    (:func:`~ddpkit._group_store.default_group_context`): the same text on every rank, for signatures."""
+    return _context if _context is not None else default_group_context()
+
+
+def group_keys(prefix: str) -> SealedKeys:
+    """The default group's own keys under ``prefix`` in its store: signed for the group (and sealed where asked)
+    with the job secret, so that what a stranger writes there reads as absent (see :class:`~ddpkit._sealed.
+    SealedKeys`). The group must exist.
+
+    Raises:
+        RuntimeError: there is no default process group.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("group_keys needs the default process group")
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())  # type: ignore[attr-defined]
+    return SealedKeys(store, job_secret(), group_context())
 
 
 def ensure_dist_connection() -> bool:
@@ -325,8 +368,9 @@ def _destroy_ensured_group() -> None:
 
 def destroy_dist_connection() -> None:
     """Destroy the default process group, if there is one (every rank must call it); stop its hang watchdog."""
-    global _served_port
+    global _served_port, _context
     watchdog.stop_watchdog()
+    _context = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     release_store(_served_port)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddpkit._sealed import SealedKeys
+from ddpkit.connection import group_keys
 from ddpkit.process_group import get_rank, get_world_size
 
 __all__ = ["DoctorReport", "Measurement", "check_ranks", "format_bytes"]
@@ -27,6 +28,8 @@ __all__ = ["DoctorReport", "Measurement", "check_ranks", "format_bytes"]
 SMALL_SIZES = (8, 1024, 64 * 1024)
 LARGE_SIZES = (1 << 20, 16 << 20)
 _PREFIX = "ddpkit-doctor"
+#: How many times this process called :func:`check_ranks` (every rank calls it as often: the key of a call).
+_calls = 0
 
 
 @dataclass(frozen=True)
@@ -158,24 +161,25 @@ def check_ranks(peer_timeout: float = 10.0, repeats: int = 1) -> DoctorReport | 
     rank, world_size = get_rank(), get_world_size()
     backend = str(dist.get_backend())
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    # Keys of this call only: the store outlives a call. Every rank adds 1 as it starts.
-    store = dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())  # type: ignore[attr-defined]
-    call = (int(store.add("calls", 1)) - 1) // world_size
+    # Keys of this call only: the store outlives a call. Every rank calls it as often (no counter in the store,
+    # which a stranger could add to); each value is signed for the group with a job secret.
+    global _calls
+    call, _calls = _calls, _calls + 1
+    keys = group_keys(_PREFIX)
     started = time.perf_counter()
     heard = _exchange_messages(rank, world_size, device, peer_timeout)
     connectivity = time.perf_counter() - started
-    store.set(f"{call}/heard-from/{rank}", ",".join(map(str, heard)))
+    keys.put(f"{call}/heard-from/{rank}", ",".join(map(str, heard)).encode())
     report = None
     if rank == 0:
-        heard_from = _collect(store, f"{call}/heard-from", world_size, peer_timeout)
+        heard_from = _collect(keys, f"{call}/heard-from", world_size, peer_timeout)
         report = DoctorReport(world_size, backend, _master(), heard_from, connectivity)
     # Measure only when every pair works (else a collective could hang): rank 0 tells the others.
     verdict = "measure" if report is not None and report.ok else "stop"
     if rank == 0:
-        store.set(f"{call}/verdict", verdict)
+        keys.put(f"{call}/verdict", verdict.encode())
     else:
-        store.wait([f"{call}/verdict"], timedelta(seconds=peer_timeout * 2))
-        verdict = store.get(f"{call}/verdict").decode()
+        verdict = (_wait_for(keys, f"{call}/verdict", peer_timeout * 2) or b"stop").decode()
     if verdict != "measure":
         return report
     measurements = [
@@ -221,20 +225,26 @@ def _exchange_messages(rank: int, world_size: int, device: torch.device, timeout
     return sorted(heard)
 
 
-def _collect(store: Any, prefix: str, world_size: int, timeout: float) -> dict[int, list[int]]:
-    """Every rank's list of senders, as far as the store has them after ``timeout``."""
+def _collect(keys: SealedKeys, prefix: str, world_size: int, timeout: float) -> dict[int, list[int]]:
+    """Every rank's list of senders, as far as the store has them (from the group's ranks) after ``timeout``."""
     heard: dict[int, list[int]] = {}
     deadline = time.monotonic() + timeout
     for rank in range(world_size):
-        key = f"{prefix}/{rank}"
-        remaining = max(0.1, deadline - time.monotonic())
-        try:
-            store.wait([key], timedelta(seconds=remaining))
-        except RuntimeError:
-            continue
-        value = store.get(key).decode()
-        heard[rank] = [int(r) for r in value.split(",") if r]
+        value = _wait_for(keys, f"{prefix}/{rank}", max(0.1, deadline - time.monotonic()))
+        if value is not None:
+            heard[rank] = [int(r) for r in value.decode().split(",") if r]
     return heard
+
+
+def _wait_for(keys: SealedKeys, key: str, timeout: float) -> bytes | None:
+    """The group's value of ``key`` once it is there (a stranger's does not count), or ``None`` after ``timeout``
+    seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = keys.read(key)
+        if value is not None or time.monotonic() >= deadline:
+            return value
+        time.sleep(0.02)
 
 
 def _master() -> str:

@@ -12,6 +12,7 @@ __all__ = [
     "DDPKitError",
     "GroupProofError",
     "HangError",
+    "JobSecretError",
     "PortTakenError",
     "RendezvousFailedError",
     "WarningDDP",
@@ -158,6 +159,16 @@ class GroupProofError(DDPKitError):
 
     def __reduce__(self) -> tuple[type[GroupProofError], tuple[str, dict[int, str]]]:
         return (type(self), (str(self), self.members))
+
+
+class JobSecretError(DDPKitError, ValueError):
+    """The job secret cannot be used: it is empty, a stranger could guess it (below 128 bits), or it is in a file
+    that other users can read.
+
+    Raised where the secret is read (``ddpkit run --secret-file``, ``DDPKIT_JOB_SECRET``), on every process that
+    reads it, before anything is signed with it. The message names where the secret came from, what is wrong
+    with it, and the command that makes a good one (``ddpkit secret PATH``). Also a ``ValueError``.
+    """
 
 
 class WarningDDP(UserWarning):

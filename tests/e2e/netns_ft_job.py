@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e.ft_trainloop import steps
-from tests.helpers import descendants, holds_within, listening_sockets
+from tests.helpers import OTHER_SECRET, descendants, holds_within, listening_sockets
 
 #: Seconds each stranger takes part.
 STRANGER_S = 10.0
@@ -42,8 +42,8 @@ DELAY_S = "1.5"
 WAIT_AT = 64
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
 _ENV.pop("DDPKIT_JOB_SECRET", None)
-#: What a group says of a member whose address in the quorum's store is not signed with its secret.
-_REFUSED = "was not written by a process that holds the job secret"
+#: What a group with another secret says of the quorum's store (its owner's record is signed with the job's).
+_OTHER_SECRET = "is not signed with this group's secret for this address: this group runs with another secret"
 
 
 def _committed_since(out: Path, since: float, groups: tuple[str, ...] = ("group-0", "group-1")) -> bool:
@@ -72,13 +72,13 @@ def _stranger(mode: str, lighthouse: str, out: Path) -> dict[str, Any]:
 
 def _other_secret(lighthouse: str, out: Path) -> dict[str, Any]:
     log = out / "group-x.log"
-    env = {**_ENV, "DDPKIT_JOB_SECRET": "another secret", "FT_RESTARTED": "1",
+    env = {**_ENV, "DDPKIT_JOB_SECRET": OTHER_SECRET, "FT_RESTARTED": "1",
            "FT_RESTART_MARKER": str(out / "group-x-joined")}  # fmt: skip
     command = [sys.executable, "-m", "tests.e2e.ft_trainloop", "group-x", lighthouse, str(out / "group-x"), "0", "0"]
     output = open(log, "wb")  # noqa: SIM115  # open while the group runs
     group = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     started = time.time()
-    refused = holds_within(lambda: _REFUSED in log.read_text(), 60)
+    refused = holds_within(lambda: _OTHER_SECRET in log.read_text(), 60)
     time.sleep(2.0)
     os.killpg(group.pid, signal.SIGKILL)
     group.wait()

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpkit._secret import write_secret_file
 from tests.e2e.ft_trainloop import steps
 from tests.helpers import descendants, holds_within, listening_sockets
 
@@ -38,7 +39,7 @@ def main(out: Path) -> None:
     for address in (HOST, OTHER):
         subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", "lo"], check=True)
     secret = out / "secret"
-    secret.write_bytes(os.urandom(32))
+    write_secret_file(str(secret))
     marker = str(out / "restarted-{group}")
     waits = ",".join(marker.replace("{group}", group) for group in ("node-b", "node-a"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "FT_KILL_GROUP": "node-b",

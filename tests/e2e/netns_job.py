@@ -34,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import holds_within, listening_sockets
+from tests.helpers import JOB_SECRET, holds_within, listening_sockets
 
 HOST = "10.77.0.1"
 HOST6 = "fd77::1"
@@ -233,7 +233,7 @@ def main(mode: str, out: Path) -> None:
     endpoint = f"[{host}]:{port}" if mode == "ipv6" else f"{host}:{port}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if mode == "forged":
-        env["DDPKIT_JOB_SECRET"] = "a secret only the job's nodes have"
+        env["DDPKIT_JOB_SECRET"] = JOB_SECRET
     agents = _start_agents(endpoint, script, out, env)
     result: dict[str, Any] = {"rendezvous": [host, port]}
     try:
@@ -274,7 +274,7 @@ def _secret_job(mode: str, out: Path) -> None:
     script.write_text(_DDPKIT_WORKER)
     port = _free_port(HOST)
     endpoint = f"{HOST}:{port}"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DDPKIT_JOB_SECRET="a secret only the job's nodes have")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DDPKIT_JOB_SECRET=JOB_SECRET)
     env["DDPKIT_PROOF_TIMEOUT"] = "10"
     result: dict[str, Any] = {"rendezvous": [HOST, port]}
     done = threading.Event()

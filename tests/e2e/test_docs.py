@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import secrets
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit._secret import write_secret_file
 from tests.unit.test_docs import RUNS, python_blocks, shell_blocks
 
 ROOT = Path(__file__).parents[2]
@@ -87,7 +87,7 @@ def test_every_shell_block_of_the_guides_runs(key: tuple[str, int], tmp_path: Pa
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])
     env = {**_clean_env(), "HOME": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     if run.get("secret"):
-        (tmp_path / ".ddpkit-secret").write_text(secrets.token_hex(32))
+        write_secret_file(str(tmp_path / ".ddpkit-secret"))
     said = []
     for line in [line for line in block.splitlines() if line.strip() and not line.startswith("#")]:
         copies = run.get("nodes", 1) if "--nnodes 2" in line else 1

@@ -27,7 +27,7 @@ from tests.e2e.ft_trainloop import (
 )
 from tests.e2e.ft_trainloop import records as _records
 from tests.e2e.ft_trainloop import steps as _steps
-from tests.helpers import in_a_namespace, listening_sockets, refused, wait_for
+from tests.helpers import JOB_SECRET, in_a_namespace, listening_sockets, refused, wait_for
 from tests.unit.test_fault_tolerance import _survivors_wait_for_the_restart
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
@@ -610,7 +610,7 @@ def test_fit_distributed_on_two_nodes_makes_each_node_a_replica_group_of_its_pro
                  'torch.save(loop.model.state_dict(), f"handed-back-{sys.argv[2]}.pt")')
     )  # fmt: skip
     endpoint = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "DDPKIT_JOB_SECRET": "a secret of both nodes"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "DDPKIT_JOB_SECRET": JOB_SECRET}
     nodes = [subprocess.Popen([sys.executable, str(script), endpoint, name], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
              for name in ("node-a", "node-b")]  # fmt: skip

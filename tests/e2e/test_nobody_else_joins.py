@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import in_a_namespace
+from tests.helpers import JOB_SECRET, in_a_namespace
 
 # --- every group proves its members --------------------------------------------------------------
 
@@ -45,7 +45,7 @@ _HONEST = """
 import os, sys, torch, torch.distributed as dist
 from ddpkit import init_dist_connection, GroupProofError
 from ddpkit.environments import LocalEnvironment
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], DDPKIT_JOB_SECRET="a secret only the job has")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])  # DDPKIT_JOB_SECRET: the test's
 try:
     init_dist_connection(LocalEnvironment(), "gloo", global_rank=0, world_size=2)
     value = torch.tensor([2.0])
@@ -71,6 +71,7 @@ def test_a_stranger_that_takes_a_rank_in_the_default_group_is_refused_before_the
     env = {key: value for key, value in os.environ.items() if not key.startswith(("DDPKIT_", "MASTER_"))}
     env["GLOO_SOCKET_IFNAME"] = "lo"
     env["DDPKIT_PROOF_TIMEOUT"] = "5"
+    honest_env = {**env, "DDPKIT_JOB_SECRET": JOB_SECRET}
     scripts = {}
     for name, text in (("honest", _HONEST), ("stranger", _STRANGER)):
         scripts[name] = tmp_path / f"{name}.py"
@@ -80,7 +81,8 @@ def test_a_stranger_that_takes_a_rank_in_the_default_group_is_refused_before_the
         for name in ("honest", "stranger"):
             argv = [port] if name == "honest" else ["127.0.0.1", port, "127.0.0.2"]
             processes[name] = subprocess.Popen([sys.executable, str(scripts[name]), *argv], stdout=subprocess.PIPE,
-                                               stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+                                               stderr=subprocess.STDOUT, text=True,
+                                               env=honest_env if name == "honest" else env)  # fmt: skip
         honest_out, _ = processes["honest"].communicate(timeout=100)
         stranger_out, _ = processes["stranger"].communicate(timeout=100)
     finally:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpkit._secret import write_secret_file
 from tests.helpers import holds_within, job_environment
 
 ROOT = Path(__file__).parents[2]
@@ -108,7 +109,7 @@ def _fault_tolerance_guides_job(
     ``#SBATCH`` lines first: sbatch reads none after a command)."""
     script = _guide_job_script("fault-tolerance.md")
     secret = out / "secret"
-    secret.write_bytes(os.urandom(32))
+    write_secret_file(str(secret))
     trainloop = f"-m tests.e2e.ft_trainloop - - {out} {kill_at} 0.35" + (f" {checkpoints}" if checkpoints else "")
     changes = {
         'HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': "HOST=127.0.0.1",
@@ -424,7 +425,7 @@ def test_the_fault_tolerance_guides_mpirun_line_loses_a_node_and_the_other_finis
     ssh.write_text(_SSH_STAND_IN)
     ssh.chmod(0o755)
     secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(32))
+    write_secret_file(str(secret))
     line, port = _guide_mpirun_line(), _free_port()
     changes = {
         "node001,node002": "ompi-a,ompi-b",  # no /etc/hosts entries: Open MPI takes them for other machines

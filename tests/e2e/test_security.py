@@ -85,10 +85,16 @@ def test_ddpkit_run_keeps_a_plain_scripts_stores_on_loopback(tmp_path: Path) -> 
 
 
 def _guide_listeners() -> list[str]:
-    """The first cells of the Security page's tables of what listens during a job."""
-    section = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| server")]
-    return [row.split("|")[1].strip() for row in rows if not set(row) <= set("|- ")]
+    """The first cells of the Security page's tables of what listens during a job (those headed "| server")."""
+    found, listing = [], False
+    for line in (Path(__file__).parents[2] / "docs" / "security.md").read_text().splitlines():
+        if not line.startswith("|"):
+            listing = False
+        elif line.startswith("| server"):
+            listing = True
+        elif listing and not set(line) <= set("|- "):
+            found.append(line.split("|")[1].strip())
+    return found
 
 
 @pytest.mark.netns

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from ddpkit import GroupProofError
 from ddpkit._group_proof import prove_members
 from ddpkit.testing import run_parallel
+from tests.helpers import JOB_SECRET
 
-SECRET = b"a secret only the job has"
+SECRET = JOB_SECRET.encode()
 
 
 # --- every group proves its members --------------------------------------------------------------

@@ -20,6 +20,7 @@ from ddpkit.fault_tolerance import TorchFT, serve_lighthouse
 from ddpkit.fault_tolerance._torchft import torchft_module, url_host
 from ddpkit.training._replica_groups import _honoured
 from tests.builders import digits_loop
+from tests.helpers import JOB_SECRET
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 
@@ -442,7 +443,7 @@ def test_a_lighthouse_host_whose_name_resolves_to_loopback_here_is_refused_namin
         return resolve("127.0.1.1" if host == "node001" else host, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", own_name_on_loopback)
-    monkeypatch.setenv(SECRET_VARIABLE, "ab" * 32)
+    monkeypatch.setenv(SECRET_VARIABLE, JOB_SECRET)
     arguments = ["--nnodes", "2", "--rdzv-endpoint", "node001:29510"]
     assert main(["run", "--fault-tolerance", "-n", "1", *arguments, "tests/e2e/ft_trainloop.py"]) == 2
     said = "--rdzv-endpoint node001:29510: node001 resolves to 127.0.1.1 here, a loopback address that the other"
@@ -461,7 +462,7 @@ def test_a_lighthouse_port_taken_by_something_else_is_named_and_one_that_a_light
     from ddpkit.cli import main
     from ddpkit.fault_tolerance._job import _lighthouse_here
 
-    monkeypatch.setenv(SECRET_VARIABLE, "ab" * 32)
+    monkeypatch.setenv(SECRET_VARIABLE, JOB_SECRET)
     with socket.socket() as other:  # a program of its own on the port: not torchft's lighthouse
         other.bind(("127.0.0.1", 0))
         other.listen()

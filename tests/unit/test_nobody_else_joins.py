@@ -19,9 +19,9 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from ddpkit import GroupProofError
 from ddpkit._secret import use_job_secret
 from ddpkit.jobs import _rendezvous
-from tests.helpers import rendezvous_handler, state_holder
+from tests.helpers import JOB_SECRET, OTHER_SECRET, rendezvous_handler, state_holder
 
-SECRET = b"a secret only the job has"
+SECRET = JOB_SECRET.encode()
 _REFUSED = r"\) was not written by a rendezvous agent of this job and was refused: "
 
 
@@ -148,7 +148,7 @@ def test_a_refusal_names_the_secret_file_the_node_was_given(monkeypatch: pytest.
     store = _store()
     handler = rendezvous_handler(store, SECRET, monkeypatch)
     holder = state_holder(handler)
-    use_job_secret(b"the file's secret", "--secret-file /etc/job.key")
+    use_job_secret(OTHER_SECRET.encode(), "--secret-file /etc/job.key")
     try:
         store.set("torch.rendezvous.job", base64.b64encode(b"not signed"))
         with pytest.raises(_rendezvous.StateRefusedError, match=r"this node.s is from --secret-file /etc/job\.key"):
@@ -167,7 +167,7 @@ def test_clones_of_the_signed_store_sign_and_outlive_torchs_hold_on_them() -> No
     writes, refuses what nobody with the secret wrote, and two ranks' clones meet."""
     import gc
 
-    from ddpkit._group_proof import SignedStore
+    from ddpkit._group_store import SignedStore
 
     base = _store()
     signed = [SignedStore(dist.PrefixStore("default_pg", base), SECRET, "job") for _ in "ab"]  # type: ignore[attr-defined]
@@ -193,7 +193,7 @@ _GLOO_ADDRESS = bytes.fromhex(
 
 
 def test_the_address_in_a_members_store_value_is_read_from_gloos_layout_not_from_its_padding() -> None:
-    from ddpkit._group_proof import gloo_address, member_address
+    from ddpkit._group_store import gloo_address, member_address
     from ddpkit._secret import DIGEST_BYTES
 
     assert gloo_address(_GLOO_ADDRESS) == "127.0.0.1:35779"

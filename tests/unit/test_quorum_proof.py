@@ -21,6 +21,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from ddpkit import GroupProofError
 from ddpkit.fault_tolerance._healing import EXTRA_BYTES, HealingRefusedError, TensorTransport
 from tests.e2e.ft_stranger import Command
+from tests.helpers import JOB_SECRET
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 
@@ -175,12 +176,22 @@ def test_a_state_holding_an_object_is_not_sent() -> None:
 # --- the quorum's proof -------------------------------------------------------------------------------------
 
 
+def _owned_store(owner: str, secret: bytes = b"job") -> TCPStore:
+    """A replica group's store, as its rank 0 leaves it: torchft's manager wrote the group's id there, ddpkit the
+    signed record that the store is that group's."""
+    from ddpkit.fault_tolerance._quorum_proof import claim_store
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    claim_store(f"127.0.0.1:{store.port}", owner, secret)
+    return store
+
+
 def _configure_in_threads(secrets: list[bytes | None], ids: list[str]) -> tuple[list[Any], list[BaseException | None]]:
     """One quorum of ``len(secrets)`` members, each a thread configuring a group with its secret (``None``:
     torchft's own group, as a stranger's ``Manager`` has)."""
     from ddpkit.fault_tolerance._quorum_proof import proven_gloo
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = _owned_store(ids[0])
     address = f"127.0.0.1:{store.port}/torchft/3/0"
     groups = [proven_gloo(secret, 3.0, lambda: ids) if secret is not None
               else torchft.ProcessGroupGloo(timeout=timedelta(seconds=3)) for secret in secrets]  # fmt: skip
@@ -201,7 +212,7 @@ def _configure_in_threads(secrets: list[bytes | None], ids: list[str]) -> tuple[
 
 
 def test_a_quorums_members_that_hold_the_secret_prove_it_and_all_reduce() -> None:
-    groups, errors = _configure_in_threads([b"job", b"job"], ["group-0", "group-1"])
+    groups, errors = _configure_in_threads([b"job", b"job"], ["group-0:a1", "group-1:b2"])
     assert errors == [None, None]
     values = [torch.tensor([1.0]), torch.tensor([2.0])]
     works = [group.allreduce([value], torch._C._distributed_c10d.AllreduceOptions()) for group, value in zip(
@@ -216,19 +227,22 @@ def test_a_quorum_member_with_another_secret_is_named_and_the_group_is_never_mad
     (or none: torchft's own group, as a stranger's ``Manager`` has) is refused as soon as the others read its
     address, named by its replica id and address, and no group is made."""
     for odd in (b"another", None):
-        groups, errors = _configure_in_threads([b"job", b"job", odd], ["group-0", "group-1", "group-x"])
+        ids = ["group-0:a1", "group-1:b2", "group-x:c3"]
+        groups, errors = _configure_in_threads([b"job", b"job", odd], ids)
         for rank in (0, 1):
             error = errors[rank]
             assert isinstance(error, GroupProofError), error
-            assert re.search(r"the address of rank 2 \(replica group 'group-x' at 127\.0\.0\.1:\d+\) in the group's "
-                             r"store (?:\(it points to [^)]*\) )?was not written by a process that holds the job "
-                             r"secret",
-                             str(error)), error  # fmt: skip
+            said = (r"in the group's store (?:\(it points to [^)]*\) )?was not written by a process that holds the "
+                    r"job secret" if odd is None else "did not reach the group's store in time")  # fmt: skip
+            assert re.search(r"the address of rank 2 \(replica group 'group-x'[^)]*\) " + said, str(error)), error
             with pytest.raises(AssertionError, match="process group not initialized"):
                 groups[rank].allreduce([torch.ones(1)], torch._C._distributed_c10d.AllreduceOptions())
-        if odd is not None:
+        if odd is not None:  # it finds out at once, and writes nothing into the store
             assert isinstance(errors[2], GroupProofError), errors[2]
-            assert re.search(r"the address of rank [01] \(replica group 'group-[01]'", str(errors[2])), errors[2]
+            refused = (r"the quorum's store at 127\.0\.0\.1:\d+, which torchft's lighthouse named, is not the store "
+                       r"of a replica group of this quorum that holds the job secret .*: its record of its owner "
+                       r"\('group-0:a1'\) is not signed with this group's secret")  # fmt: skip
+            assert re.search(refused, str(errors[2])), errors[2]
 
 
 def test_an_address_written_in_place_of_a_members_is_refused_before_the_group_connects_to_it() -> None:
@@ -236,15 +250,39 @@ def test_an_address_written_in_place_of_a_members_is_refused_before_the_group_co
     member's key before that member does. The member reading it refuses it and names whose it claimed to be."""
     from ddpkit.fault_tolerance._quorum_proof import proven_gloo
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = _owned_store("group-0:a1")
     store.set("torchft/5/0/0/1", b"the stranger's own gloo address")
-    group = proven_gloo(b"job", 3.0, lambda: ["group-0", "group-1"])
+    group = proven_gloo(b"job", 3.0, lambda: ["group-0:a1", "group-1:b2"])
     refused = (
         r"the address of rank 1 \(replica group 'group-1'\) in the group's store (?:\(it points to [^)]*\) )?"
         r"was not written"
     )
     with pytest.raises(GroupProofError, match=refused):
         group.configure(f"127.0.0.1:{store.port}/torchft/5/0", "group-0", 0, 2, 5, 0, 1, [0, 1])
+
+
+def test_a_quorum_store_that_no_member_vouches_for_is_refused_before_anything_is_written_there() -> None:
+    """torchft's lighthouse takes a group's store address from whoever speaks in its name: a store that is not a
+    member's (none, or another process's, or a record copied from a member's store) is refused, naming it."""
+    from ddpkit.fault_tolerance._quorum_proof import check_store_owner
+
+    ids = ["group-0:a1", "group-1:b2"]
+    ours = _owned_store("group-0:a1")
+    check_store_owner(f"127.0.0.1:{ours.port}/torchft/3/0", ids, b"job", 3.0)  # a member's: taken
+    strangers = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cases = [
+        (strangers, "it says nothing of its owner"),
+        (_owned_store("group-0:old"), r"it is the store of 'group-0:old', a process that is not in this quorum"),
+    ]
+    copied = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    copied.set("ddpkit/store-owner", ours.get("ddpkit/store-owner"))  # a member's record, in a stranger's store
+    cases.append((copied, r"its record of its owner \('group-0:a1'\) is not signed with this group's secret for "
+                          r"this address"))  # fmt: skip
+    for store, why in cases:
+        with pytest.raises(GroupProofError, match=rf"the quorum's store at 127\.0\.0\.1:{store.port}, which torchft's "
+                           rf"lighthouse named, .*: {why}"):  # fmt: skip
+            check_store_owner(f"127.0.0.1:{store.port}/torchft/3/0", ids, b"job", 3.0)
+        assert sorted(store.list_keys()) in ([], ["ddpkit/store-owner"])
 
 
 # --- one secret per job ---------------------------------------------------------------------------------------
@@ -277,9 +315,9 @@ def test_ddpkit_run_fault_tolerance_gives_every_group_one_secret_of_its_job_in_t
     assert re.fullmatch(r"[0-9a-f]{64}", next(iter(first))), "32 random bytes"
     assert not any(next(iter(first)) in " ".join(group.command) for group in started), "on a command line"
     assert "DDPKIT_JOB_SECRET" not in os.environ, "this process's environment is left alone"
-    monkeypatch.setenv("DDPKIT_JOB_SECRET", "the user's")
+    monkeypatch.setenv("DDPKIT_JOB_SECRET", JOB_SECRET)
     _job.run_replica_groups("train.py", [], groups=2, max_restarts=0, lighthouse="http://127.0.0.1:9")
-    assert {group.env["DDPKIT_JOB_SECRET"] for group in started[6:]} == {"the user's"}
+    assert {group.env["DDPKIT_JOB_SECRET"] for group in started[6:]} == {JOB_SECRET}
 
 
 def test_a_replica_group_started_by_hand_draws_no_secret_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,7 @@ from ddpkit.jobs import _rendezvous
 from ddpkit.jobs._agent import rendezvous
 from ddpkit.jobs._agent import rendezvous_store as rendezvous_store_of_agent
 from ddpkit.jobs._agent_log import agent_log
-from tests.helpers import listening_sockets, refused, rendezvous_handler, state_holder
+from tests.helpers import JOB_SECRET, listening_sockets, refused, rendezvous_handler, state_holder
 
 # 127.0.0.2 is another address of this machine's loopback interface: a socket bound to every
 # interface answers there, one bound to 127.0.0.1 does not. Nothing here leaves the machine.
@@ -144,7 +144,7 @@ def _write(store: TCPStore, raw: bytes) -> None:
     store.set("torch.rendezvous.job", base64.b64encode(raw))
 
 
-@pytest.mark.parametrize("secret", [None, b"s3cret"], ids=["no secret", "secret"])
+@pytest.mark.parametrize("secret", [None, JOB_SECRET.encode()], ids=["no secret", "secret"])
 def test_a_rendezvous_of_real_agents_passes_the_check(
     rendezvous_store: TCPStore, secret: bytes | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -240,7 +240,7 @@ def test_with_a_secret_a_forged_state_that_adds_a_node_is_refused(
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
-    handler = rendezvous_handler(rendezvous_store, b"s3cret", monkeypatch)
+    handler = rendezvous_handler(rendezvous_store, JOB_SECRET.encode(), monkeypatch)
     handler.next_rendezvous()
     holder = state_holder(handler)
     holder.sync()
@@ -288,7 +288,7 @@ def test_a_multi_node_rendezvous_takes_the_schedulers_job_id_and_warns_once_with
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert rendezvous(2, "127.0.0.1:29555", "mine")[1] == "mine", "once per endpoint; a given id is kept"
-        monkeypatch.setenv(_rendezvous.SECRET_VARIABLE, "s")
+        monkeypatch.setenv(_rendezvous.SECRET_VARIABLE, JOB_SECRET)
         rendezvous(2, "127.0.0.1:29556", None)
         assert rendezvous(1, None, None)[1] != rendezvous(1, None, None)[1], "one node: a fresh id"
 
@@ -303,12 +303,14 @@ def test_ddpkit_run_reads_the_secret_file_and_names_one_it_cannot_use(
     assert f"--secret-file {missing}: " in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.write_text("\n")
+    empty.chmod(0o600)
     assert main(["run", "--secret-file", str(empty), "x.py"]) == 2
-    assert "the job secret is empty" in capsys.readouterr().err
+    assert f"the job secret from --secret-file {empty} is empty" in capsys.readouterr().err
     secret = tmp_path / "secret"
-    secret.write_text("k3y\n")
+    secret.write_text(JOB_SECRET + "\n")
+    secret.chmod(0o600)
     try:
         assert main(["run", "--secret-file", str(secret), str(tmp_path / "absent.py")]) == 2
-        assert _rendezvous.job_secret() == b"k3y"
+        assert _rendezvous.job_secret() == JOB_SECRET.encode()
     finally:
         _rendezvous.use_job_secret(None)

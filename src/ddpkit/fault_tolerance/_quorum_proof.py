@@ -4,7 +4,7 @@ the job secret each time a quorum configures it, before any state or gradient mo
 torchft configures the group at the start of every quorum that differs from the last (a group joined or left,
 or the last step failed somewhere), then sends a recovering group its state and all-reduces the step's
 gradients over it. Here, with a job secret, the addresses the members give each other in the quorum's store
-are signed (:class:`ddpkit._group_proof.SignedStore`: nobody else can put its own address in place of a
+are signed (:class:`ddpkit._group_store.SignedStore`: nobody else can put its own address in place of a
 member's), and the configuration ends with :func:`ddpkit._group_proof.check_members` over the new group. When
 a member cannot prove itself, the group is aborted and the configuration raises; torchft then fails the step
 in this group without sending or receiving any state (the next quorum configures afresh).
@@ -13,6 +13,7 @@ in this group without sending or receiving any state (the next quorum configures
 from __future__ import annotations
 
 import functools
+import hmac
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,10 +22,18 @@ from typing import Any
 
 import torch
 
-from ddpkit._group_proof import SignedStore, check_members, member_address
+from ddpkit._channel import Channel, normal
+from ddpkit._group_proof import check_members
+from ddpkit._group_store import SignedStore, member_address
+from ddpkit._secret import DIGEST_BYTES, GUIDE, secret_source, tag
+from ddpkit.errors import GroupProofError
 from ddpkit.fault_tolerance._torchft import torchft_module
 
-__all__ = ["proven_gloo"]
+__all__ = ["OWNER_KEY", "check_store_owner", "claim_store", "proven_gloo"]
+
+#: The key, at the root of a replica group's store, of the record that says whose store it is (signed).
+OWNER_KEY = "ddpkit/store-owner"
+_OWNER_PURPOSE = "ddpkit quorum store owner v1"
 
 #: Keeps two groups' constructions apart while torchft's gloo class is swapped for one bound to an address.
 _BINDING = threading.Lock()
@@ -39,7 +48,8 @@ def proven_gloo(
     Args:
         secret: the job secret; ``None``: torchft's group as it is.
         timeout: seconds each collective (the proof's two all-gathers included) may take.
-        replica_ids: the replica ids of the quorum being configured, in rank order (for the messages).
+        replica_ids: the replica ids of the quorum being configured (torchft's ``NAME:uuid``), in rank order: every
+            signature binds them, and the quorum's store must be one of theirs (:func:`check_store_owner`).
         address: this machine's address that the other groups reach (gloo listens and advertises there, whatever
             ``GLOO_SOCKET_IFNAME`` says: ddpkit pins a one-machine group's default gloo to loopback with it);
             ``None``: gloo's own choice.
@@ -62,6 +72,7 @@ def _proven_class() -> type[Any]:
             self._secret, self._ids, self._seconds = secret, replica_ids, timeout.total_seconds()
             self._address = address
             self._forming: tuple[str, Callable[[], dict[int, str]]] = ("", dict)
+            self._signed: SignedStore | None = None
 
         def configure(
             self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
@@ -73,23 +84,34 @@ def _proven_class() -> type[Any]:
                     store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
                 )
                 return
-            ids = list(self._ids())  # this quorum's, read now (the message may come after the next)
+            ids = list(self._ids())  # this quorum's, NAME:uuid, read now (the message may come after the next)
 
             def names() -> dict[int, str]:
                 return _names(store_addr, world_size, ids, self._seconds)
+
+            try:  # before anything of this group goes there: the store must be a member's
+                check_store_owner(store_addr, ids, secret, self._seconds)
+            except Exception:
+                self.abort(errored=False)
+                raise
 
             def all_gather(value: torch.Tensor) -> list[torch.Tensor]:
                 gathered = [torch.empty_like(value) for _ in range(world_size)]
                 self.allgather([gathered], [value], options()).wait(timedelta(seconds=self._seconds))
                 return gathered
 
-            context = f"torchft quorum|{quorum_id}|{store_addr}|{group_rank}/{group_world_size}"
+            # Every member's process id (NAME:uuid, a new uuid each time a group's process starts) binds what is signed
+            # to the processes of this quorum: nothing signed before this process started passes here.
+            members = ",".join(sorted(ids))
+            context = f"torchft quorum|{quorum_id}|{store_addr}|{group_rank}/{group_world_size}|{members}"
             self._forming = (context, names)
             try:
                 super().configure(  # gloo's addresses go through a SignedStore (_create_pg)
                     store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
                 )
-                check_members(all_gather, rank, world_size, context, secret, timeout=self._seconds, names=names)
+                listen = self._signed.addresses if self._signed is not None else {}
+                check_members(all_gather, rank, world_size, context, secret, timeout=self._seconds, names=names,
+                              channel=lambda: Channel(rank, listen) if listen else None)  # fmt: skip
             except Exception:
                 self.abort(errored=False)  # nothing of the job moves through this group
                 raise  # torchft logs it (once per quorum: a failed step makes the next quorum a new one)
@@ -147,7 +169,67 @@ def _names(store_addr: str, size: int, ids: list[str], timeout: float) -> dict[i
         pass
     names = {}
     for rank in range(size):
-        parts = [f"replica group {ids[rank]!r}" if rank < len(ids) and len(ids) == size else ""]
+        name = ids[rank].rpartition(":")[0] or ids[rank] if rank < len(ids) else ""
+        parts = [f"replica group {name!r}" if name and len(ids) == size else ""]
         parts.append(f"at {addresses[rank]}" if addresses.get(rank) else "")
         names[rank] = " ".join(part for part in parts if part)
     return names
+
+
+def claim_store(address: str, replica_id: str, secret: bytes, timeout: float = 30.0) -> None:
+    """Write, in the replica group's own store at ``address`` (``HOST:PORT``), the signed record that it is the
+    store of ``replica_id`` (torchft's ``NAME:uuid`` of the group's process), for :func:`check_store_owner`.
+    Rank 0 of the group calls it once its manager exists, before the group's first quorum."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    host, port = _host_and_port(address)
+    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    signature = tag(secret, _OWNER_PURPOSE, replica_id, normal(f"[{host}]:{port}"))
+    store.set(OWNER_KEY, signature + replica_id.encode())  # type: ignore[arg-type]
+
+
+def _host_and_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 with or without brackets, as torchft writes it) as its host and port."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def check_store_owner(store_addr: str, replica_ids: Sequence[str], secret: bytes, timeout: float) -> None:
+    """Check that the quorum's store (torchft's ``HOST:PORT/prefix``) is the store of one of the quorum's members
+    (``replica_ids``, ``NAME:uuid``), as its signed record says (:func:`claim_store`). torchft's lighthouse takes
+    a member's store address from whoever speaks in its name; a store that no member of this quorum vouches for
+    is refused before anything of this group is written there.
+
+    Raises:
+        GroupProofError: the store has no such record, or one for another address or for a process that is not
+            in this quorum (naming the store's address).
+    """
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    address = store_addr.partition("/")[0]
+    host, port = _host_and_port(address)
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(timeout, 10.0)))
+        raw = bytes(store.get(OWNER_KEY)) if store.check([OWNER_KEY]) else b""
+    except Exception as exc:
+        raw, why = b"", f"it could not be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    else:
+        why = "it says nothing of its owner"
+    if raw:
+        signature, owner = raw[:DIGEST_BYTES], raw[DIGEST_BYTES:].decode(errors="replace")
+        if not hmac.compare_digest(signature, tag(secret, _OWNER_PURPOSE, owner, normal(f"[{host}]:{port}"))):
+            why = (
+                f"its record of its owner ({owner!r}) is not signed with this group's secret for this address: this "
+                "group runs with another secret than the job's, or the record was copied from another store"
+            )
+        elif owner not in replica_ids:
+            why = f"it is the store of {owner!r}, a process that is not in this quorum ({', '.join(replica_ids)})"
+        else:
+            return
+    raise GroupProofError(
+        f"the quorum's store at {address}, which torchft's lighthouse named, is not the store of a replica group of "
+        f"this quorum that holds the job secret ({secret_source()}): {why}. A program that reached the lighthouse "
+        "spoke in a group's name (the lighthouse takes a group's store address from whoever asks). Nothing of this "
+        f"group went to that store; this step fails and the next quorum goes on without it. Keep the lighthouse's "
+        f"port where only the job reaches it; see {GUIDE}"
+    )

@@ -16,14 +16,15 @@ import torch
 from torch import nn
 
 from ddpkit._gradients import reduce_gradients
-from ddpkit._group_proof import GUIDE
-from ddpkit._secret import SECRET_VARIABLE, job_secret
+from ddpkit._group_store import SignedStore
+from ddpkit._secret import GUIDE, SECRET_VARIABLE, job_secret
 from ddpkit._stores import release_store, route_address, serve_store
 from ddpkit.collectives.objects import broadcast_object
+from ddpkit.connection import group_context
 from ddpkit.environments.base import is_loopback
 from ddpkit.errors import DDPKitError, RendezvousFailedError
 from ddpkit.fault_tolerance._healing import TensorTransport
-from ddpkit.fault_tolerance._quorum_proof import proven_gloo
+from ddpkit.fault_tolerance._quorum_proof import claim_store, proven_gloo
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
 from ddpkit.process_group import get_rank, get_world_size
 
@@ -106,7 +107,7 @@ class ReplicaGroup:
         self._replica_id, self._quorum_timeout = replica_id, quorum_timeout
         #: The job's groups that its first step waits for; ``None`` once it has started.
         self._starting = replica_groups if replica_groups is not None and replica_groups > 1 else None
-        self._group = proven_gloo(secret, timeout, lambda: [group_name(i) for i in self._quorum_ids], local)
+        self._group = proven_gloo(secret, timeout, lambda: list(self._quorum_ids), local)
         transport = TensorTransport(
             self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
             timeout,
@@ -118,8 +119,14 @@ class ReplicaGroup:
         store = (local, self._store_port)
         if self.ranks > 1:  # the group's store is rank 0's
             store = broadcast_object(store if self.rank == 0 else None, src=0)
+        signed: list[SignedStore] = []
         try:
-            with _manager_server_on(managers, local), _client_recording(managers, self._quorum_ids):
+            with (
+                _manager_server_on(managers, local),
+                _client_recording(managers, self._quorum_ids),
+                _signed_group_store(managers, secret, f"torchft group store|{store[0]}:{store[1]}|{group_context()}",
+                                    signed),
+            ):  # fmt: skip
                 self._manager = torchft.Manager(
                     pg=self._group, min_replica_size=min_replicas, load_state_dict=load_state_dict,
                     state_dict=state_dict, replica_id=replica_id, store_addr=store[0], store_port=store[1],
@@ -127,6 +134,9 @@ class ReplicaGroup:
                     timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
                     connect_timeout=timedelta(seconds=timeout), checkpoint_transport=transport,
                 )  # fmt: skip
+            if secret is not None and self.rank == 0:  # the quorums' members check whose store it is
+                replica = signed[0].get(managers.REPLICA_ID_KEY).decode()
+                claim_store(f"{bracketed(local)}:{self._store_port}", replica, secret)
         except BaseException:
             release_store(self._store_port)
             raise
@@ -309,6 +319,29 @@ def _manager_server_on(managers: Any, address: str) -> Iterator[None]:
             yield
         finally:
             managers.ManagerServer = original
+
+
+@contextmanager
+def _signed_group_store(managers: Any, secret: bytes | None, context: str, made: list[SignedStore]) -> Iterator[None]:
+    """Within the block (under :data:`_CONSTRUCTION`), torchft's ``Manager`` reaches the group's store through a
+    :class:`~ddpkit._group_store.SignedStore` for ``context`` (appended to ``made``) when there is a secret: the
+    manager server's address and the group's replica id that its rank 0 writes there, and every rank reads, are
+    signed, so that nobody who reaches the store can point the group's ranks to a manager of its own."""
+    if secret is None:
+        yield
+        return
+    original = managers.TCPStore
+
+    def signed(*args: Any, **kwargs: Any) -> SignedStore:
+        store = SignedStore(original(*args, **kwargs), secret, context, lambda key: f"the group's {key!r}")
+        made.append(store)
+        return store
+
+    managers.TCPStore = signed
+    try:
+        yield
+    finally:
+        managers.TCPStore = original
 
 
 def group_name(replica_id: str) -> str:

@@ -20,6 +20,13 @@ A rank that spins in Python or waits in C code still answers (the thread gets
 the GIL between bytecodes, or the GIL is released); one stuck in C code that
 holds the GIL cannot, and the report says so. :func:`paused` keeps known long
 waits (rank 0 writing a checkpoint while the others wait) from counting.
+
+Anyone who reaches the store can write to it and read it. With a job secret the
+trigger, the answers and the leader's "done" go through
+:class:`~ddpkit._sealed.SealedKeys`: a trigger the job did not sign is ignored
+(it cannot end the job), and the answers (host names, pids, stacks) are
+encrypted, so a stranger who reads the store learns nothing from them. The
+leader is whoever sets the trigger first (a compare-and-set), not a counter.
 """
 
 from __future__ import annotations
@@ -42,7 +49,10 @@ import torch.distributed as dist
 
 from ddpkit._compat import override
 from ddpkit._failures import FAILURE_DIR_VARIABLE, write_hang_record
+from ddpkit._group_store import default_group_context
 from ddpkit._orphans import children_die_with_this_process
+from ddpkit._sealed import SealedKeys
+from ddpkit._secret import job_secret
 from ddpkit.hangs._report import analyse, full_report, summary
 from ddpkit.hangs._stacks import children_stacks, dump_stacks_in_forked_children, kill_children, thread_stacks
 from ddpkit.hangs._state import GroupState, RankState
@@ -112,13 +122,16 @@ def hang_timeout(explicit: float | None = None) -> float | None:
     return None if explicit == 0 or explicit == float("inf") else float(explicit)
 
 
-def start_watchdog(timeout: float | None = None, *, wait_for_group: bool = False) -> None:
+def start_watchdog(timeout: float | None = None, *, wait_for_group: bool = False, context: str | None = None) -> None:
     """Watch this process's collectives (once per process; a no-op when it runs already or the deadline is off).
 
     Args:
         timeout: the deadline in seconds (see :func:`hang_timeout`).
         wait_for_group: start before the default process group exists and attach
             when it appears (a script that calls ``init_process_group`` itself).
+        context: what the default group is, for the signatures of the watchdog's keys (the text its members
+            proved the secret for); default: :func:`~ddpkit._group_store.default_group_context` of
+            ``MASTER_ADDR`` and ``MASTER_PORT``.
     """
     global _current
     deadline = hang_timeout(timeout)
@@ -127,7 +140,7 @@ def start_watchdog(timeout: float | None = None, *, wait_for_group: bool = False
     with _lock:
         if _current is not None and _current.is_alive():
             return
-        _current = Watchdog(deadline, wait_for_group=wait_for_group)
+        _current = Watchdog(deadline, wait_for_group=wait_for_group, context=context)
         dump_stacks_in_forked_children()  # now, in this thread: before any DataLoader forks its workers
         children_die_with_this_process()  # a hung rank's forked workers must not outlive it
         _current.start()
@@ -159,13 +172,14 @@ def paused() -> Iterator[None]:
 class Watchdog(threading.Thread):
     """One process's watchdog thread (see the module docstring)."""
 
-    def __init__(self, timeout: float, *, wait_for_group: bool = False) -> None:
+    def __init__(self, timeout: float, *, wait_for_group: bool = False, context: str | None = None) -> None:
         super().__init__(name="ddpkit-hang-watchdog", daemon=True)
         self.timeout = timeout
         self.tick = min(5.0, max(0.1, timeout / 10))  # seconds between checks: within 10% of the deadline
         self.wait_for_group = wait_for_group
+        self._context = context
         self._stopped = threading.Event()
-        self._store: Any = None
+        self._keys: SealedKeys = SealedKeys(None, None, "")
         self._rank = 0
         self._world_size = 1
 
@@ -182,7 +196,7 @@ class Watchdog(threading.Thread):
             while not self._stopped.wait(self.tick):
                 if not dist.is_initialized():
                     return
-                if self._store.check([_KEYS + "trigger"]):
+                if self._keys.read(_KEYS + "trigger") is not None:  # one the job wrote: a stranger's is ignored
                     with contextlib.suppress(Exception):
                         self._answer()
                     self._end(leader=False)  # whatever happened: the job is hung
@@ -199,10 +213,10 @@ class Watchdog(threading.Thread):
                 return False
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         store = dist.distributed_c10d._get_default_store()
-        try:
-            self._store = store.clone()  # type: ignore[attr-defined]  # its own connection: never queued behind the main thread's calls
-        except (RuntimeError, AttributeError):
-            self._store = store
+        with contextlib.suppress(RuntimeError, AttributeError):
+            store = store.clone()  # type: ignore[attr-defined]  # its own connection: never queued behind the main thread's calls
+        context = self._context if self._context is not None else default_group_context()
+        self._keys = SealedKeys(store, job_secret(), context)
         return True
 
     # --- detection ---------------------------------------------------------------------------------
@@ -216,9 +230,8 @@ class Watchdog(threading.Thread):
     # --- the report --------------------------------------------------------------------------------
 
     def _lead(self) -> None:
-        if int(self._store.add(_KEYS + "leader", 1)) != 1:
+        if self._keys.claim(_KEYS + "trigger", str(self._rank).encode()) != str(self._rank).encode():
             return  # another rank leads: answer its trigger at the next tick
-        self._store.set(_KEYS + "trigger", str(self._rank))
         self._answer()
         states = self._collect()
         analysis = analyse(states, self._world_size, self.timeout)
@@ -230,7 +243,7 @@ class Watchdog(threading.Thread):
             write_hang_record(directory, text, analysis.stragglers, analysis.mismatched, path, named[0])
         else:  # a scheduler's task: nobody else will say it
             print(text, file=sys.stderr, flush=True)
-        self._store.set(_KEYS + "done", path or "-")
+        self._keys.put(_KEYS + "done", (path or "-").encode())
         self._end(leader=True)
 
     def _answer(self) -> None:
@@ -243,17 +256,18 @@ class Watchdog(threading.Thread):
             "children": children_stacks(),
         }
         kill_children()  # their stacks are in; the job ends, and no rank exits before every rank answered
-        self._store.set(f"{_KEYS}answer/{self._rank}", json.dumps(state))
+        self._keys.put(f"{_KEYS}answer/{self._rank}", json.dumps(state).encode(), private=True)
 
     def _collect(self) -> dict[int, RankState]:
         keys = [f"{_KEYS}answer/{rank}" for rank in range(self._world_size)]
         deadline = time.monotonic() + _ANSWER_WINDOW
-        while time.monotonic() < deadline and not self._store.check(keys):
+        while time.monotonic() < deadline and not self._keys.store.check(keys):
             time.sleep(0.05)
         states: dict[int, RankState] = {}
         for rank, key in enumerate(keys):
-            if self._store.check([key]):
-                states[rank] = json.loads(self._store.get(key))
+            answer = self._keys.read(key)
+            if answer is not None:  # a rank's own, sealed: a stranger's is left out
+                states[rank] = json.loads(answer)
         return states
 
     def _end(self, leader: bool) -> None:
@@ -262,7 +276,7 @@ class Watchdog(threading.Thread):
         if not leader:
             deadline = time.monotonic() + 2 * _ANSWER_WINDOW
             with contextlib.suppress(Exception):
-                while time.monotonic() < deadline and not self._store.check([_KEYS + "done"]):
+                while time.monotonic() < deadline and self._keys.read(_KEYS + "done") is None:
                     time.sleep(0.05)
         kill_children()
         sys.stderr.flush()

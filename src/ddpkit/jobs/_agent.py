@@ -45,6 +45,7 @@ from ddpkit._failures import (
     stopped_record,
     worker_failed_error,
 )
+from ddpkit._group_store import JOB_ID_VARIABLE
 from ddpkit._secret import SECRET_VARIABLE, export_job_secret, job_secret, new_job_secret
 from ddpkit._stores import hosting_address, release_store, route_address, serve_store
 from ddpkit.environments import is_loopback
@@ -83,6 +84,7 @@ def shutdown_grace() -> dict[str, Any]:
 
 # Environment variables the elastic agent reads or writes in the launching process.
 _AGENT_ENV = (
+    JOB_ID_VARIABLE,
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
     "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "OMP_NUM_THREADS",

@@ -49,6 +49,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousStateHolder,
 )
 
+from ddpkit._group_store import JOB_ID_VARIABLE
 from ddpkit._secret import (
     DIGEST_BYTES,
     SECRET_VARIABLE,
@@ -157,6 +158,8 @@ def _create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     endpoint = params.endpoint or "(no endpoint)"
     secret = job_secret()
     job = claim_job(store, params.run_id, endpoint, secret) if secret is not None else None
+    if job is not None:  # the workers' groups bind it (the hang watchdog's keys of a plain init_process_group)
+        os.environ[JOB_ID_VARIABLE] = job.hex()
     backend = CheckedBackend(inner, params.run_id, endpoint, secret, job)
     handler = create_handler(store, backend, params)
     if job is None:

@@ -1,0 +1,124 @@
+"""A group's own keys in its store: what a stranger writes there reads as absent, what a rank seals there reads as
+noise to anyone without the secret."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ddpkit._group_store import SignedStore
+from ddpkit._sealed import SealedKeys
+from tests.helpers import JOB_SECRET, OTHER_SECRET
+
+SECRET = JOB_SECRET.encode()
+
+
+@pytest.fixture
+def store() -> dist.Store:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+
+def test_signed_and_private_values_read_back_for_the_group_only(store: dist.Store) -> None:
+    keys = SealedKeys(store, SECRET, "default group|127.0.0.1:1|run|0|job|a1")
+    answer = json.dumps({"host": "node-17", "pid": 4242, "threads": [["/home/me/train.py", 12, "step"]]}).encode()
+    keys.put("ddpkit/hang/answer/1", answer, private=True)
+    keys.put("ddpkit/hang/trigger", b"0")
+    assert keys.read("ddpkit/hang/answer/1") == answer
+    assert keys.read("ddpkit/hang/trigger") == b"0"
+    raw = bytes(store.get("ddpkit/hang/answer/1"))
+    for visible in (b"node-17", b"4242", b"train.py", b"host", b"threads"):
+        assert visible not in raw, "a private value is encrypted"
+    assert len(raw) < len(answer) + 80
+    assert keys.read("absent") is None
+    for context, secret in (("default group|127.0.0.1:1|run|0|job|a2", SECRET), (keys._context, OTHER_SECRET.encode())):
+        other = SealedKeys(store, secret, context)  # another job (or attempt, or store), or another secret
+        assert other.read("ddpkit/hang/answer/1") is None
+        assert other.read("ddpkit/hang/trigger") is None
+
+
+def test_a_strangers_write_reads_as_absent_and_a_copy_under_another_key_too(store: dist.Store) -> None:
+    keys = SealedKeys(store, SECRET, "ctx")
+    store.set("ddpkit/hang/trigger", b"1")  # what a stranger without the secret can write
+    assert keys.read("ddpkit/hang/trigger") is None
+    keys.put("ddpkit/hang/answer/0", b"rank 0's", private=True)
+    store.set("ddpkit/hang/answer/1", store.get("ddpkit/hang/answer/0"))  # copied to another rank's key
+    assert keys.read("ddpkit/hang/answer/1") is None
+    keys.put("ddpkit/hang/done", b"/tmp/report")
+    store.set("ddpkit/hang/trigger", store.get("ddpkit/hang/done"))
+    assert keys.read("ddpkit/hang/trigger") is None
+    sealed = bytearray(store.get("ddpkit/hang/answer/0"))
+    sealed[-1] ^= 1  # one bit of the ciphertext changed
+    store.set("ddpkit/hang/answer/0", bytes(sealed))
+    assert keys.read("ddpkit/hang/answer/0") is None
+
+
+def test_the_first_rank_to_claim_a_key_holds_it_and_a_strangers_value_there_does_not_count(store: dist.Store) -> None:
+    keys = SealedKeys(store, SECRET, "ctx")
+    assert keys.claim("trigger", b"1") == b"1"
+    assert keys.claim("trigger", b"0") == b"1", "the first claim wins"
+    store.set("other", b"a stranger's")
+    assert keys.claim("other", b"0") == b"0", "a stranger's value is no claim"
+    assert keys.read("other") == b"0"
+
+
+def test_through_the_default_groups_signed_store_and_torchs_prefixes(store: dist.Store) -> None:
+    """The watchdog's connection: a clone of torch's prefix store over ddpkit's signed store."""
+    signed = SignedStore(dist.PrefixStore("default_pg", store), SECRET, "ctx")
+    clone = dist.PrefixStore("0", signed).clone()
+    keys = SealedKeys(clone, SECRET, "ctx")
+    assert keys.claim("ddpkit/hang/trigger", b"1") == b"1"
+    assert keys.claim("ddpkit/hang/trigger", b"0") == b"1"
+    (key,) = [k for k in store.list_keys() if k.endswith("ddpkit/hang/trigger")]
+    store.set(key, b"1")  # a stranger who listed the keys
+    assert keys.read("ddpkit/hang/trigger") is None
+    assert keys.claim("ddpkit/hang/trigger", b"0") == b"0"
+
+
+def test_without_a_secret_values_are_stored_as_they_are(store: dist.Store) -> None:
+    keys = SealedKeys(store, None, "ctx")
+    keys.put("a", b"plain", private=True)
+    assert bytes(store.get("a")) == b"plain"
+    assert keys.read("a") == b"plain"
+    assert not keys.signed
+
+
+def test_a_groups_id_is_rank_0s_fresh_one_and_one_written_back_from_an_earlier_group_is_refused(
+    store: dist.Store,
+) -> None:
+    import threading
+
+    from ddpkit import GroupProofError
+    from ddpkit._group_store import agree_on_group_id
+
+    def agree(where: dist.Store, size: int) -> list[object]:
+        found: list[object] = [None] * size
+
+        def one(rank: int) -> None:
+            try:
+                found[rank] = agree_on_group_id(where, rank, size, "ctx", SECRET, 5.0, "127.0.0.1:1")
+            except GroupProofError as exc:
+                found[rank] = exc
+
+        threads = [threading.Thread(target=one, args=(rank,)) for rank in range(size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        return found
+
+    first = agree(store, 3)
+    assert isinstance(first[0], str)
+    assert first == [first[0]] * 3, "every rank takes rank 0's id"
+    # The next job with the same secret and store address: a stranger writes job 1's values back first.
+    later = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    for key in store.list_keys():
+        later.set(key, store.get(key))
+    second = agree(later, 3)
+    assert isinstance(second[0], GroupProofError)
+    assert "held an id for this group, signed with the job secret" in str(second[0])
+    for rank in (1, 2):
+        assert isinstance(second[rank], GroupProofError), "no rank takes the id written back, nor its old answer"
+        assert "could not be agreed in its store at 127.0.0.1:1: rank 0 found a value written back" in str(second[rank])
