@@ -8,6 +8,7 @@ at most 10 s), and that no process is left behind.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def _blocked_loader(directory: str) -> None:
     _record(directory, "wait")
     model = build_model()
     loader = DataLoader(_BlockingDigits(directory), batch_size=32, shuffle=True, num_workers=1)
-    TrainLoop(model, loader, progress=False).fit(1)
+    TrainLoop(model, loader, progress=False).fit(1)  # marker: fit of the TrainLoop
 
 
 def _hang_in_the_first_attempt(directory: str) -> int:
@@ -218,6 +219,12 @@ def test_a_blocked_dataloader_worker_is_named_with_its_stack(tmp_path: Path) -> 
     assert error.stragglers == [1]
     report = str(error)
     line = _line("marker: the DataLoader worker blocks")
+    fit = re.escape(f"{SHOWN}:{_line('marker: fit of the TrainLoop')} in _blocked_loader")
+    called = r"rank 0: in all_reduce #\d+ \(float32 \[\d+\]\) for [\d.]+ s, called at "
+    assert re.search(called + fit, report), "rank 0 is called at the user's fit line, not in ddpkit: " + report
+    marked_as_users = [row for row in report.splitlines() if row.lstrip().startswith("> ")]
+    assert marked_as_users, report
+    assert not [row for row in marked_as_users if "ddpkit/" in row and "ddpkit/examples/" not in row], report
     assert "rank 1: in no collective" in report
     assert f"waiting on its DataLoader worker (pid {_pid_of(tmp_path, 'worker')}), which is at {SHOWN}:{line}" in report
     assert error.report_path is not None

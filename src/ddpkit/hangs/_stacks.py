@@ -217,9 +217,14 @@ def marked(frame: list[Any]) -> str:
     return ("> " if is_users(str(frame[0])) else "  ") + frame_text(frame)
 
 
+#: ddpkit's package directory (``.../ddpkit/``), found once for an editable and an installed copy alike: its
+#: modules are ddpkit's machinery, never the user's code (its bundled examples excepted).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_EXAMPLES = os.path.join(_PACKAGE, "examples") + os.sep
+
+
 def _library_roots() -> tuple[str, ...]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    roots = {here + os.sep, *(p + os.sep for p in site.getsitepackages() if p)}
+    roots = {_PACKAGE, *(p + os.sep for p in site.getsitepackages() if p)}
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         path = sysconfig.get_paths().get(key)
         if path:
@@ -228,8 +233,6 @@ def _library_roots() -> tuple[str, ...]:
 
 
 _LIBRARY_ROOTS = _library_roots()
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_EXAMPLES = os.path.join(_PACKAGE, "examples") + os.sep
 
 
 def _short_path(filename: str) -> str:
