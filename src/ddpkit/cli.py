@@ -71,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--fault-tolerance",
         action="store_true",
-        help="per-step fault tolerance on torchft (pip install 'ddpkit[ft]'; one node): a lighthouse here on "
-        "loopback and the -n processes replica groups of --group-size ranks, each under an agent of its own, named "
-        "group-0, group-1, ... (REPLICA_GROUP_ID), started again up to --max-restarts times when one of its ranks "
-        "dies while the others go on; the script trains with TrainLoop(fault_tolerance='torchft')",
+        help="per-step fault tolerance on torchft (pip install torchft==0.2.0, ddpkit's ft extra). On one machine: a "
+        "lighthouse here on loopback and the -n processes replica groups of --group-size ranks, each under an agent "
+        "of its own, named group-0, group-1, ... (REPLICA_GROUP_ID), started again up to --max-restarts times when "
+        "one of its ranks dies while the others go on. On several machines (--nnodes N --rdzv-endpoint HOST:PORT "
+        "--secret-file F, the same command on every node): each node one replica group, the node at HOST serving "
+        "the lighthouse. The script trains with TrainLoop(fault_tolerance='torchft')",
     )
     run.add_argument(
         "--group-size",

@@ -1,4 +1,5 @@
-"""PNG plots with matplotlib (``pip install 'ddpkit[plot]'``): a training history and ``ddpkit doctor``'s bandwidth."""
+"""PNG plots with matplotlib (``pip install matplotlib``, ddpkit's ``plot`` extra): a training history and
+``ddpkit doctor``'s bandwidth."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def _figure(width: float, height: float) -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install 'ddpkit[plot]'") from exc
+        raise ImportError("plots need matplotlib: pip install matplotlib (ddpkit's plot extra)") from exc
     return Figure(figsize=(width, height))
 
 

@@ -52,6 +52,34 @@ def _links(page: Path) -> list[str]:
     return [link.split("#")[0] for link in found if not link.startswith(("http://", "https://", "#", "mailto:"))]
 
 
+def test_install_lines_work_where_ddpkit_is_installed_from_its_checkout() -> None:
+    """ddpkit is on no package index: no page, docstring or error message tells users to `pip install 'ddpkit[...]'`
+    (an extra's packages by their own names, or `-e '.[extra]'` in the checkout)."""
+    texts = [*PAGES, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "src" / "ddpkit").rglob("*.py"))]
+    said = [f"{path.relative_to(ROOT)}" for path in texts if re.search(r"pip install '?ddpkit\[", path.read_text())]
+    assert said == [], f"install lines that work only from a package index: {said}"
+
+
+def test_every_long_page_has_sections() -> None:
+    """A page over 80 lines has subheadings (the site's page contents, and anchors a link can name)."""
+    flat = [page.name for page in PAGES if len(page.read_text().splitlines()) > 80
+            and len(re.findall(r"^## ", page.read_text(), re.MULTILINE)) < 2]  # fmt: skip
+    assert flat == [], f"long pages without subheadings: {flat}"
+
+
+def test_every_fenced_block_says_its_language() -> None:
+    """A fence without a language is coloured as Python by the docs site: output is ``text``."""
+    bare = []
+    for page in [*PAGES, ROOT / "CONTRIBUTING.md", ROOT / "ARCHITECTURE.md", ROOT / "CHANGELOG.md"]:
+        inside = False
+        for number, line in enumerate(page.read_text().splitlines(), start=1):
+            if line.startswith("```"):
+                if not inside and line.strip() == "```":
+                    bare.append(f"{page.name}:{number}")
+                inside = not inside
+    assert bare == [], f"fences without a language (`text` for output): {bare}"
+
+
 def test_the_pages_link_every_example_file_and_every_linked_file_exists() -> None:
     linked = {(page.parent / link).resolve() for page in PAGES for link in _links(page)}
     assert {path.resolve() for path in EXAMPLES} <= linked, "an example file that no page links to"

@@ -463,3 +463,12 @@ def test_as_dict_is_json_and_names_the_environment() -> None:
         "master_addr_source": "the first host of SLURM_JOB_NODELIST='gpu[003-004]'",
         "creates_processes_externally": True,
     }
+
+
+def test_the_local_master_address_says_where_it_came_from() -> None:
+    from ddpkit.environments import LocalEnvironment
+
+    assert LocalEnvironment({"MASTER_ADDR": "10.0.0.7"}).master_address_source() == "MASTER_ADDR"
+    unset = LocalEnvironment({})
+    assert unset.master_address() == "127.0.0.1"
+    assert unset.master_address_source() == "the default (MASTER_ADDR is not set)"

@@ -31,7 +31,7 @@ torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not i
 
 
 def test_a_missing_torchft_is_named_with_the_install_command() -> None:
-    with pytest.raises(ImportError, match=r"pip install 'ddpkit\[ft\]'"):
+    with pytest.raises(ImportError, match=r"install it with pip install torchft==0\.2\.0 \(ddpkit's ft extra\)"):
         torchft_module("torchft_that_does_not_exist")
 
 

@@ -73,7 +73,7 @@ class _MetricsLogger(Callback):
 class TensorBoardLogger(_MetricsLogger):
     """Write the training's numbers as TensorBoard scalars (Lightning's ``TensorBoardLogger``).
 
-    Needs ``pip install 'ddpkit[tensorboard]'``; view with ``tensorboard
+    Needs ``pip install tensorboard``, ddpkit's ``tensorboard`` extra; view with ``tensorboard
     --logdir LOG_DIR``. Tags are ``history``'s names plus ``train_loss_step``;
     the step is ``global_step``. Values are stored as float32 (TensorBoard's
     format). A resumed run purges what was logged after its checkpoint
@@ -94,7 +94,9 @@ class TensorBoardLogger(_MetricsLogger):
         try:
             import tensorboard  # type: ignore[import-untyped]  # noqa: F401
         except ImportError as exc:
-            raise ImportError("TensorBoardLogger needs tensorboard: pip install 'ddpkit[tensorboard]'") from exc
+            raise ImportError(
+                "TensorBoardLogger needs tensorboard: pip install tensorboard (ddpkit's tensorboard extra)"
+            ) from exc
         self.log_dir = Path(log_dir)
         self._writer: Any = None
 

@@ -62,8 +62,10 @@ class LocalEnvironment(ClusterEnvironment):
         local_rank = int_var(env, "LOCAL_RANK", 0)
         check_below("RANK", rank, "WORLD_SIZE", world_size)
         check_below("LOCAL_RANK", local_rank, "WORLD_SIZE", world_size)
+        given = env.get("MASTER_ADDR", "").strip()
         return ClusterSettings(
-            master_addr=env.get("MASTER_ADDR", "").strip() or "127.0.0.1",
+            master_addr=given or "127.0.0.1",
+            master_addr_source="MASTER_ADDR" if given else "the default (MASTER_ADDR is not set)",
             master_port=int_var(env, "MASTER_PORT", 0),
             world_size=world_size,
             global_rank=rank,

@@ -1,6 +1,6 @@
 """Lightning on the digits with DDP on CPU processes: OML's ``ExtractorModuleDDP`` and ``PairwiseModuleDDP``.
 
-Needs ``pip install 'ddpkit[lightning]'``. Run with 2 CPU processes::
+Needs ``pip install lightning``, ddpkit's ``lightning`` extra. Run with 2 CPU processes::
 
     python -m ddpkit.examples.lightning_digits extractor
     python -m ddpkit.examples.lightning_digits pairwise

@@ -1,6 +1,6 @@
 """Per-step fault tolerance on torchft: replica groups that lose a member and go on without a restart.
 
-torchft (``pip install 'ddpkit[ft]'``) runs a quorum every optimizer step:
+torchft (``pip install torchft==0.2.0``, ddpkit's ``ft`` extra) runs a quorum every optimizer step:
 the replica groups heartbeat a lighthouse, a step that failed anywhere is
 committed nowhere, the healthy groups go on with the next quorum in the same
 processes, and a group that comes back takes the weights live from a healthy

@@ -22,7 +22,7 @@ def torchft_module(name: str = "torchft") -> ModuleType:
     except ImportError as missing:
         raise ImportError(
             f"per-step fault tolerance needs torchft ({name} could not be imported: {missing}); install it with "
-            "pip install 'ddpkit[ft]'"
+            "pip install torchft==0.2.0 (ddpkit's ft extra)"
         ) from missing
 
 

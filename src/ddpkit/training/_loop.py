@@ -120,7 +120,7 @@ class TrainLoop:
             compiler, raises ``RuntimeError`` naming it.
         fault_tolerance: ``None`` (default), ``"torchft"`` or a
             :class:`~ddpkit.fault_tolerance.TorchFT`: this process is one replica
-            group of a job on torchft (``pip install 'ddpkit[ft]'``; ``"torchft"``
+            group of a job on torchft (``pip install torchft==0.2.0``, ddpkit's ``ft`` extra; ``"torchft"``
             reads ``$TORCHFT_LIGHTHOUSE`` and ``$REPLICA_GROUP_ID``). Each optimizer
             step is a quorum of the groups alive: a group that dies or hangs costs
             the others that step (done again with the same items), not a restart,
@@ -385,7 +385,7 @@ class TrainLoop:
         """Write a PNG of every curve of :attr:`history` (losses in one panel); its path.
 
         Raises:
-            ImportError: matplotlib is not installed (``pip install 'ddpkit[plot]'``).
+            ImportError: matplotlib is not installed (``pip install matplotlib``, ddpkit's ``plot`` extra).
             ValueError: nothing trained yet.
         """
         return plot_history(self.history, path)

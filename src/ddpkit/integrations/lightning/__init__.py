@@ -9,7 +9,7 @@ embedding extractor (negatives from every rank) and ``PairwiseModuleDDP`` a
 pairwise re-ranker; both report precision@1 over the whole validation split,
 equal to a single-process evaluation of the same weights.
 
-Needs the optional extra: ``pip install 'ddpkit[lightning]'`` (Lightning 2.x).
+Needs the optional extra: ``pip install lightning``, ddpkit's ``lightning`` extra (Lightning 2.x).
 The rest of ddpkit never imports Lightning.
 
 The constructors take OML's arguments (``loaders_train``, ``loaders_val``,
@@ -33,7 +33,8 @@ try:
     import lightning.pytorch  # noqa: F401 (fail here, with the fix, when the extra is missing)
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised by a subprocess test
     raise ModuleNotFoundError(
-        "ddpkit.integrations.lightning needs Lightning 2.x, which is not installed: pip install 'ddpkit[lightning]'",
+        "ddpkit.integrations.lightning needs Lightning 2.x, which is not installed: pip install lightning "
+        "(ddpkit's lightning extra)",
         name=exc.name,
     ) from exc
 
