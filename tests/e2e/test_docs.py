@@ -86,6 +86,9 @@ def test_every_shell_block_of_the_guides_runs(key: tuple[str, int], tmp_path: Pa
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])
     env = {**_clean_env(), "HOME": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    # The processes of a command share one pipe; unbuffered, a script's print (its text and its newline: two writes)
+    # may have another process's line between its halves. Buffered, as a user's shell has it by default.
+    env.pop("PYTHONUNBUFFERED", None)
     if run.get("secret"):
         write_secret_file(str(tmp_path / ".ddpkit-secret"))
     said = []

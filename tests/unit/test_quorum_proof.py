@@ -211,6 +211,69 @@ def _configure_in_threads(secrets: list[bytes | None], ids: list[str]) -> tuple[
     return groups, errors
 
 
+class _Recording(torch.distributed.Store):  # type: ignore[misc]
+    """A store that keeps what is set in it (gloo writes each rank's address under ``0/RANK``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.written = torch.distributed.HashStore(), {}
+
+    def set(self, key: str, value: Any) -> None:
+        self.written[key] = bytes(value)
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> Any:
+        return self.inner.get(key)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self.inner.wait(keys, *([timeout] if timeout is not None else []))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.inner.add(key, amount))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.inner.check(keys))
+
+
+def test_groups_that_bind_their_address_at_once_each_get_their_own_and_neither_waits_for_the_other() -> None:
+    """Two replica groups of one process making their gloo groups at the same time, each on its address: while the
+    first waits in gloo for its other member, the second makes its own on its address, and afterwards torchft's
+    gloo groups are torch's plain ones again. (Once, the first held a lock there until gloo gave up, and a second
+    could put the first's swapped class back for good: every later step of the process failed.)"""
+    import time
+
+    from ddpkit._group_store import gloo_address
+    from ddpkit.fault_tolerance._quorum_proof import _gloo_on
+
+    module = torchft.process_group
+    inside = threading.Event()
+    stores = {"127.0.0.1": _Recording(), "::1": _Recording()}
+    ended: dict[str, float] = {}
+
+    def make(address: str) -> None:  # rank 0 of 2: gloo writes its address, then waits 1 s for rank 1
+        with _gloo_on(module, address):
+            if address == "127.0.0.1":
+                inside.set()
+            with pytest.raises(RuntimeError, match="[Tt]imeout"):
+                module.BaseProcessGroupGloo(stores[address], 0, 2, timedelta(seconds=1))
+        ended[address] = time.monotonic()
+
+    def second() -> None:
+        assert inside.wait(10)
+        make("::1")
+
+    threads = [threading.Thread(target=make, args=("127.0.0.1",)), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert {address: gloo_address(store.written["0/0"]).rpartition(":")[0] for address, store in stores.items()} == {
+        "127.0.0.1": "127.0.0.1", "::1": "[::1]"}  # fmt: skip
+    assert ended["::1"] - ended["127.0.0.1"] < 0.8, "the second waited for the first to finish"
+    plain = module.BaseProcessGroupGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=5))
+    assert isinstance(plain, torch.distributed.ProcessGroupGloo)
+
+
 def test_a_quorums_members_that_hold_the_secret_prove_it_and_all_reduce() -> None:
     groups, errors = _configure_in_threads([b"job", b"job"], ["group-0:a1", "group-1:b2"])
     assert errors == [None, None]

@@ -35,8 +35,8 @@ __all__ = ["OWNER_KEY", "check_store_owner", "claim_store", "proven_gloo"]
 OWNER_KEY = "ddpkit/store-owner"
 _OWNER_PURPOSE = "ddpkit quorum store owner v1"
 
-#: Keeps two groups' constructions apart while torchft's gloo class is swapped for one bound to an address.
-_BINDING = threading.Lock()
+#: The address this thread's gloo group is being made on (``address``), read by :func:`_bound_gloo`.
+_BINDING = threading.local()
 
 
 def proven_gloo(
@@ -137,21 +137,33 @@ def _proven_class() -> type[Any]:
 
 @contextmanager
 def _gloo_on(torchft: Any, address: str) -> Iterator[None]:
-    """Within the block, torchft's gloo groups get one device, on ``address`` (under :data:`_BINDING`)."""
-    original = torchft.BaseProcessGroupGloo
+    """Within the block, the gloo groups torchft makes in this thread get one device, on ``address``.
 
-    def bound(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
-        options = original._Options()
-        options._timeout = timeout
-        options._devices = [original.create_device(hostname=address)]
-        return original(store, rank, size, options)
+    torchft's module names torch's gloo class once, for good, with :func:`_bound_gloo`, which is torch's class
+    where no block of its thread is open. (Swapping the class for the block instead cannot serve two groups of one
+    process made at once: the first holds it while gloo waits for the second to connect, and a second that read
+    the first's swapped class would put it back for good.)"""
+    if torchft.BaseProcessGroupGloo is not _bound_gloo:
+        torchft.BaseProcessGroupGloo = _bound_gloo
+    _BINDING.address = address
+    try:
+        yield
+    finally:
+        _BINDING.address = None
 
-    with _BINDING:
-        torchft.BaseProcessGroupGloo = bound
-        try:
-            yield
-        finally:
-            torchft.BaseProcessGroupGloo = original
+
+def _bound_gloo(*args: Any, **kwargs: Any) -> Any:
+    """torch's ``ProcessGroupGloo(store, rank, size, timeout)``, its one device on the address of this thread's
+    :func:`_gloo_on` block if one is open."""
+    gloo = torch.distributed.ProcessGroupGloo
+    address = getattr(_BINDING, "address", None)
+    if address is None or kwargs or len(args) != 4 or not isinstance(args[3], timedelta):
+        return gloo(*args, **kwargs)
+    store, rank, size, timeout = args
+    options = gloo._Options()
+    options._timeout = timeout
+    options._devices = [gloo.create_device(hostname=address)]
+    return gloo(store, rank, size, options)
 
 
 def _names(store_addr: str, size: int, ids: list[str], timeout: float) -> dict[int, str]:

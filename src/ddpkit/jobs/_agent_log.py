@@ -105,10 +105,12 @@ class _AgentEvents(logging.Handler):
         elif "attempts left" in message and len(args) >= 4:
             remaining, max_restarts = int(str(args[2])), int(str(args[3]))
             self.log.write_tracebacks()
-            print(self.log.restart_line(max_restarts - remaining + 1, max_restarts), file=sys.stderr, flush=True)
+            # one write per line (print makes two): other agents' and workers' lines share the stream
+            sys.stderr.write(self.log.restart_line(max_restarts - remaining + 1, max_restarts) + "\n")
+            sys.stderr.flush()
             self.log.exits.clear()
         elif "new nodes from group_rank" in message and len(args) >= 2:
-            print(f"ddpkit: {args[1]} node(s) joined: restarting the workers on the larger group", file=sys.stderr)
+            sys.stderr.write(f"ddpkit: {args[1]} node(s) joined: restarting the workers on the larger group\n")
 
 
 @contextmanager

@@ -40,7 +40,8 @@ def main() -> None:
         # one line here, and none for the ranks that merely lost a peer that had failed.
         rank, first = int(os.environ.get("RANK", "0")), earliest(read_records(directory))
         if first is None or int(first["rank"]) == rank:
-            print(f"[rank{rank}]: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}", file=sys.stderr)
+            # one write (print makes two): every rank's lines share the stream
+            sys.stderr.write(f"[rank{rank}]: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}\n")
         raise SystemExit(1) from None
 
 

@@ -306,7 +306,8 @@ class TrainLoop:
         )
         if self._run.resume() and (driver.leader or (self.fault_tolerance is not None and get_rank() == 0)):
             # every group says it (its rank 0)
-            tqdm.write(line := resume_line(self.state, self.checkpoint_dir, num_epochs))
+            line = resume_line(self.state, self.checkpoint_dir, num_epochs)
+            tqdm.write(f"{line}\n", end="")  # one write: other groups' lines may share the stream
             log.info(line)
         return self._run.run_epochs(driver, num_epochs)
 

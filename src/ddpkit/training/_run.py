@@ -261,7 +261,7 @@ class TrainingRun:
         self._end_epoch_recipe()
         if driver.leader:
             line = driver.prefix + epoch_line(state.epoch, num_epochs, loss, metrics, loop.step_times, driver.timed)
-            tqdm.write(line)
+            tqdm.write(f"{line}\n", end="")  # one write: other groups' lines may share the stream
             log.info(line)
         loop.callbacks_handler.execute("on_epoch_end")
         state.epoch += 1
