@@ -16,6 +16,8 @@ inside the step, so that the other groups wait for it inside the gradients' all-
 With ``$FT_REQUEUE=1`` the loop has ``requeue=True`` (SLURM's SIGUSR1: a checkpoint, then ``scontrol requeue``).
 With ``$FT_NUM_WORKERS`` the groups' training loader has that many DataLoader workers (the one-process
 reference run none). With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it).
+With ``$FT_LATE_RESTART`` (paths, comma-separated), a group started again waits for those files (at most 120 s)
+before it trains: a restart that comes after the others finished.
 At the end: the weights in ``OUT.pt``, the history in ``OUT.json``.
 
 With ``$FT_RESTART_MARKER`` (a path; ``{group}`` in it stands for the group's id), a group started again (under
@@ -232,6 +234,11 @@ def main(replica: str, lighthouse: str, out: str, kill_at: int, delay: float, ch
     if checkpoint_dir is not None:
         loop.checkpoint_dir, loop.checkpoint_every = Path(checkpoint_dir), 7
     loop.kill_at = kill_at
+    late = os.environ.get("FT_LATE_RESTART")
+    if late and restarted():  # a restart slower than the steps left: it starts once the others have finished
+        deadline = time.monotonic() + 120.0
+        while not all(os.path.exists(path) for path in late.split(",")) and time.monotonic() < deadline:
+            time.sleep(0.1)
     history = loop.fit(EPOCHS, callbacks=[StepLog(delay)])
     torch.save(loop.model.state_dict(), f"{out}.pt")
     with open(f"{out}.json", "w") as file:

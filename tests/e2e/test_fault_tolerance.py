@@ -405,6 +405,35 @@ def test_ddpkit_run_fault_tolerance_restarts_a_killed_group_under_its_own_agent_
 
 
 @pytest.mark.timeout(300)
+def test_a_group_started_again_after_the_others_finished_the_job_trains_nothing_and_the_job_ends(
+    tmp_path: Path,
+) -> None:
+    """`ddpkit run --fault-tolerance -n 3 --max-restarts 1`: group-2 SIGKILLs itself in step 60 of 69, and its
+    restart comes only once the two others have finished. It says that the job finished, trains nothing, saves
+    nothing, and the job ends with status 0 at once (it once waited quorum_timeout, then trained the whole run
+    alone again)."""
+    command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", "3", "--max-restarts", "1",
+               "-m", "tests.e2e.ft_trainloop", "-", "-", str(tmp_path), "60", str(STEP_DELAY_S)]  # fmt: skip
+    survivors = [tmp_path / f"group-{i}" for i in range(2)]
+    late = ",".join(f"{out}.json" for out in survivors)  # each writes it when its fit has returned
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "FT_LATE_RESTART": late}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = re.search(r"ddpkit: replica group group-2: the job finished at step (\d+) \(replica group group-[01] "
+                     r"trained its last step\): it trains nothing and ends", done.stderr)  # fmt: skip
+    assert said is not None, done.stderr[-3000:]
+    assert int(said.group(1)) == 3 * 23, "the job's last step (3 epochs of 23 steps)"
+    assert "the job starts with" not in done.stderr, "the late group took itself for a new job"
+    records = _records(tmp_path / "group-2")
+    killed = next(r for r in records if "kill" in r)
+    assert not [r for r in records if "step" in r and r["pid"] != killed["pid"]], "the late group trained"
+    assert not (tmp_path / "group-2.json").exists()
+    assert not (tmp_path / "group-2.pt").exists()
+    for out in survivors:
+        assert json.loads(Path(f"{out}.json").read_text())["validation_accuracy"][-1] > 0.8
+
+
+@pytest.mark.timeout(300)
 def test_replica_groups_of_two_ranks_lose_a_rank_restart_that_group_and_end_as_one_process(tmp_path: Path) -> None:
     """`ddpkit run --fault-tolerance -n 4 --group-size 2 --max-restarts 1`: two replica groups of two ranks
     each. Rank 1 of group-1 SIGKILLs itself inside step 30: group-1's agent restarts both its ranks, which take

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,13 +48,29 @@ def _run(command: list[str], cwd: Path, timeout: float = 150) -> subprocess.Comp
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=job_environment())
 
 
+#: The jobs this module's tests submitted: each test's teardown cancels its own that are still queued or running.
+_SUBMITTED: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _cancel_what_the_test_submitted() -> Iterator[None]:
+    """However the test ends (passed, failed, timed out), none of its jobs stays on the cluster."""
+    before = len(_SUBMITTED)
+    yield
+    for job in _SUBMITTED[before:]:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30, env=job_environment())
+    del _SUBMITTED[before:]
+
+
 def _submit(script: str, cwd: Path) -> str:
     """Submit ``script`` (written to ``cwd/job.sh``, its output to ``cwd/job.out``); the job id."""
     path = cwd / "job.sh"
     path.write_text(script)
     submitted = _run(["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={cwd / 'job.out'}", str(path)], cwd)
     assert submitted.returncode == 0, submitted.stderr
-    return submitted.stdout.strip().split(";")[0]
+    job = submitted.stdout.strip().split(";")[0]
+    _SUBMITTED.append(job)
+    return job
 
 
 def _wait(job: str, cwd: Path, timeout: float = 150) -> tuple[str, str]:
@@ -141,6 +158,25 @@ def test_the_fault_tolerance_guides_job_script_loses_a_node_and_the_other_finish
     assert "rank 0 failed (exit code -9): killed by signal SIGKILL" in output, shown + output[-3000:]
     assert "served by another process" in output, "the script's lighthouse serves the job"
     _check_one_node_finished_alone(output, tmp_path, "node001", "node002")
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(150)
+def test_the_fault_tolerance_guides_job_script_ends_within_a_minute_when_its_lighthouse_does_not_start(
+    tmp_path: Path,
+) -> None:
+    """The guide's sbatch script with a lighthouse command that fails (a wrong path): the script's wait for the
+    lighthouse stops when that command has ended, and the job fails with a line that says so, long before its
+    walltime (it once waited for a lighthouse that never came until the walltime: 27 minutes in a test)."""
+    script = _fault_tolerance_guides_job(tmp_path, "--max-restarts 0")
+    assert ".venv/bin/ddpkit lighthouse" in script
+    script = script.replace(".venv/bin/ddpkit lighthouse", ".venv/bin/no-such-ddpkit lighthouse")
+    started = time.monotonic()
+    shown, output = _wait(_submit(script, tmp_path), tmp_path, timeout=120)
+    took = time.monotonic() - started
+    assert "JobState=FAILED" in shown, shown + output
+    assert "ddpkit lighthouse ended before it listened (its error is above)" in output, output
+    assert took < 60, f"the job took {took:.0f} s"
 
 
 def _check_one_node_finished_alone(output: str, out: Path, survivor: str, lost: str) -> None:

@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -102,6 +104,30 @@ def test_the_cli_page_names_every_command_and_every_ddpkit_variable() -> None:
     assert [name for name in commands if f"`ddpkit {name}" not in page] == []
     used = set(re.findall(r"DDPKIT_[A-Z_]+", "".join(p.read_text() for p in (ROOT / "src").rglob("*.py"))))
     assert sorted(name for name in used if f"`{name}`" not in page) == []
+
+
+def test_the_cli_page_lists_every_option_of_every_command_from_the_parser_itself() -> None:
+    """The page's option lists are sphinx-argparse's rendering of ``ddpkit.cli.build_parser`` (when the site is
+    built), so they cannot drift from ``--help``: the page names that parser, and what sphinx-argparse reads of it
+    has every option of every command."""
+    import argparse
+
+    sphinxarg = pytest.importorskip("sphinxarg.parser", reason="the docs extra (sphinx-argparse) is not installed")
+    from ddpkit.cli import build_parser
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert re.search(r"```\{eval-rst\}\n\.\. argparse::\n   :module: ddpkit\.cli\n   :func: build_parser\n", page)
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    rendered = {child["name"]: child for child in sphinxarg.parse_parser(parser)["children"]}
+    assert sorted(rendered) == sorted(commands)
+    for name, command in commands.items():
+        listed = {flag for group in rendered[name].get("action_groups", []) for option in group["options"]
+                  for flag in option["name"]}  # fmt: skip
+        options = {flag for action in command._actions if action.help != argparse.SUPPRESS
+                   for flag in action.option_strings} - {"-h", "--help"}  # fmt: skip
+        assert options <= listed, f"ddpkit {name}: {sorted(options - listed)} not on the page"
+    assert len({flag for action in commands["run"]._actions for flag in action.option_strings}) > 15
 
 
 # --- every shell block runs -------------------------------------------------------------------------

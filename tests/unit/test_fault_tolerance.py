@@ -7,6 +7,7 @@ tests/e2e/test_fault_tolerance.py.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -215,6 +216,38 @@ def test_the_jobs_first_step_waits_for_all_its_replica_groups_then_starts_withou
     assert seen["alone"][1] == ("alone",)
     assert seen["alone"][0] - started >= 1.0, "it did not wait for the second group"
     assert "the job starts with 1 of its 2 replica groups (alone): the others did not join within 1 s" in caplog.text
+
+
+def test_a_group_started_again_that_finds_no_other_group_trains_nothing_and_ends_with_status_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A restart (its agent's TORCHELASTIC_RESTART_COUNT above 0) of one of a job's 2 groups, with no checkpoint,
+    whose first quorum has no other group within quorum_timeout (1 s): the others finished or are gone, and no
+    peer holds the run's state, so it trains nothing, writes no checkpoint and ends with status 0, saying why
+    (it once took itself for a new job and trained the whole run alone). A first start trains alone, as ever."""
+    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+
+    monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
+    monkeypatch.setenv("DDPKIT_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with serve_lighthouse("127.0.0.1") as lighthouse:
+        loop = _digits_loop(fault_tolerance=TorchFT(lighthouse.address, "g1", timeout=10, quorum_timeout=1.0),
+                            global_batch_size=64, checkpoint_dir=tmp_path)  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as ended:
+            loop.fit(1)
+        took = time.monotonic() - started
+    assert ended.value.code == 0
+    assert 1.0 <= took < 15.0, f"{took:.1f} s: it waits quorum_timeout for another group, then ends"
+    assert (loop.global_step, list(tmp_path.iterdir())) == (0, [])
+    assert re.search(r"ddpkit: replica group g1: started again, it found no other replica group of the job within "
+                     r"1 s \(quorum_timeout\): .* it trains nothing and ends", capsys.readouterr().err)  # fmt: skip
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with serve_lighthouse("127.0.0.1") as lighthouse:
+        loop = _digits_loop(fault_tolerance=TorchFT(lighthouse.address, "g0", timeout=10, quorum_timeout=1.0),
+                            global_batch_size=64)  # fmt: skip
+        loop.fit(1)
+    assert loop.global_step > 0
 
 
 def test_a_trainloop_with_fault_tolerance_needs_a_global_batch_and_its_own_process_per_group() -> None:

@@ -254,7 +254,7 @@ def test_groups_that_bind_their_address_at_once_each_get_their_own_and_neither_w
         with _gloo_on(module, address):
             if address == "127.0.0.1":
                 inside.set()
-            with pytest.raises(RuntimeError, match="[Tt]imeout"):
+            with pytest.raises(RuntimeError, match=r"[Tt]imeout"):
                 module.BaseProcessGroupGloo(stores[address], 0, 2, timedelta(seconds=1))
         ended[address] = time.monotonic()
 

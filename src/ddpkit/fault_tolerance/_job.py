@@ -25,6 +25,7 @@ from ddpkit._stores import LoopbackHostError
 from ddpkit.environments import CLUSTER_ENV_VARIABLE
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
+from ddpkit.fault_tolerance._record import RECORD_VARIABLE, job_record
 from ddpkit.fault_tolerance._replica import local_address
 from ddpkit.fault_tolerance._settings import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
@@ -226,11 +227,15 @@ def _run_groups(
     module: bool,
 ) -> list[int]:  # fmt: skip
     secret = (job_secret() or new_job_secret()).decode()  # one for the whole job
-    children = [
-        _start_group(script, script_args, f"group-{i}", size, lighthouse, max_restarts, module, secret, groups)
-        for i in range(groups)
-    ]
-    return _wait(children)
+    with job_record() as record:  # a group started again once another finished the job trains nothing
+        more = {RECORD_VARIABLE: record}
+        children = [
+            _start_group(
+                script, script_args, f"group-{i}", size, lighthouse, max_restarts, module, secret, groups, more
+            )
+            for i in range(groups)
+        ]
+        return _wait(children)
 
 
 def _start_group(

@@ -160,7 +160,7 @@ def _bound_gloo(*args: Any, **kwargs: Any) -> Any:
     if address is None or kwargs or len(args) != 4 or not isinstance(args[3], timedelta):
         return gloo(*args, **kwargs)
     store, rank, size, timeout = args
-    options = gloo._Options()
+    options = gloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [gloo.create_device(hostname=address)]
     return gloo(store, rank, size, options)

@@ -79,6 +79,9 @@ class ReplicaGroup:
         quorum_timeout: seconds to wait for a quorum (default 60).
         replica_groups: how many groups the job starts; its first step (every group of the quorum at step 0)
             waits, up to ``quorum_timeout``, until that many are in the quorum (default ``None``: no wait).
+        restarted: whether this process starts the group again (its launcher's restart, default ``False``).
+            With ``replica_groups`` above 1 its first step does not wait for the job's groups but for one other
+            group to take the run's state from, up to ``quorum_timeout``; :attr:`alone` says when none came.
 
     Warns:
         RuntimeWarning: no job secret (once per process): any process that reaches the lighthouse can join.
@@ -91,7 +94,7 @@ class ReplicaGroup:
     def __init__(
         self, lighthouse: str, replica_id: str, state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None], *, min_replicas: int = 1, timeout: float = 30.0,
-        quorum_timeout: float = 60.0, replica_groups: int | None = None,
+        quorum_timeout: float = 60.0, replica_groups: int | None = None, restarted: bool = False,
     ) -> None:  # fmt: skip
         torchft = torchft_module()
         managers = torchft_module("torchft.manager")
@@ -105,8 +108,15 @@ class ReplicaGroup:
         #: Why the last step was not committed, as far as this group saw (``Type: message``), else ``None``.
         self.failure: str | None = None
         self._replica_id, self._quorum_timeout = replica_id, quorum_timeout
-        #: The job's groups that its first step waits for; ``None`` once it has started.
-        self._starting = replica_groups if replica_groups is not None and replica_groups > 1 else None
+        #: The groups that its first step waits for (a restarted group: itself and one to take the state from);
+        #: ``None`` once it has started.
+        self._starting = (
+            (2 if restarted else replica_groups) if replica_groups is not None and replica_groups > 1 else None
+        )
+        self._restarted = restarted
+        #: Whether this group, started again, found no other group of the job within ``quorum_timeout`` at its
+        #: first step: the job finished, or its other groups are gone, and no peer holds the run's state.
+        self.alone = False
         self._group = proven_gloo(secret, timeout, lambda: list(self._quorum_ids), local)
         transport = TensorTransport(
             self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
@@ -178,24 +188,27 @@ class ReplicaGroup:
         first step with ``replica_groups``, ask again until that many groups are in the quorum."""
         self._manager.start_quorum()
         if self._starting is not None:
-            self._wait_for_the_job(self._starting)
+            came = self._wait_for_the_job(self._starting)
+            self.alone = self._restarted and not came
             self._starting = None
 
-    def _wait_for_the_job(self, groups: int) -> None:
+    def _wait_for_the_job(self, groups: int) -> bool:
         """While every member of the quorum is at step 0 and fewer than ``groups`` are in it, drop the quorum
         (nothing committed) and ask again, for at most ``quorum_timeout``: a group that started first would
-        otherwise train alone steps that the others, once they joined, would do again."""
+        otherwise train alone steps that the others, once they joined, would do again. Whether they came."""
         deadline = time.monotonic() + self._quorum_timeout
         while len(self.members) < groups and self.step == 0:
             if time.monotonic() > deadline:
-                log.warning(
-                    "replica group %s: the job starts with %d of its %d replica groups (%s): the others did not "
-                    "join within %g s (quorum_timeout)", self._replica_id, len(self.members), groups,
-                    ", ".join(self.members), self._quorum_timeout,
-                )  # fmt: skip
-                return
+                if not self._restarted:
+                    log.warning(
+                        "replica group %s: the job starts with %d of its %d replica groups (%s): the others did not "
+                        "join within %g s (quorum_timeout)", self._replica_id, len(self.members), groups,
+                        ", ".join(self.members), self._quorum_timeout,
+                    )  # fmt: skip
+                return False
             time.sleep(0.05)
             self._manager.start_quorum()  # the quorum above is left without a commit: its step 0 stays 0
+        return True
 
     def average_gradients(self, parameters: Iterable[nn.Parameter], also: torch.Tensor | None = None) -> bool:
         """Average the gradients of ``parameters`` over the group's ranks (when it has several) and then over the

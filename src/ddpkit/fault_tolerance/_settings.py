@@ -99,7 +99,8 @@ class TorchFT:
     def join(
         self, state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None]
     ) -> ReplicaGroup:
-        """This process as a replica group of the job (:class:`ReplicaGroup`), with :meth:`resolved` settings.
+        """This process as a replica group of the job (:class:`ReplicaGroup`), with :meth:`resolved` settings; a
+        restart of the group where its launcher says so (``$TORCHELASTIC_RESTART_COUNT`` above 0).
 
         Raises:
             ValueError: no lighthouse or replica id (:meth:`resolved`).
@@ -111,6 +112,7 @@ class TorchFT:
         return ReplicaGroup(
             settings.lighthouse, settings.replica_id, state_dict, load_state_dict, min_replicas=settings.min_replicas,
             timeout=settings.timeout, quorum_timeout=settings.quorum_timeout, replica_groups=settings.replica_groups,
+            restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0,  # its agent started it again
         )  # fmt: skip
 
 

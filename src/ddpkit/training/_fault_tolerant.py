@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,7 @@ from tqdm import tqdm
 
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
+from ddpkit.fault_tolerance._record import finished, record_finished
 from ddpkit.fault_tolerance._replica import group_name
 from ddpkit.process_group import get_rank, get_world_size
 from ddpkit.process_group._seeding import reseed_torch
@@ -99,6 +101,7 @@ class FaultTolerantSteps:
         self.prefix = ""
         self._group: ReplicaGroup | None = None
         self._finished = False
+        self._num_epochs: int | None = None  # the fit's, once its epochs began
         self._orders: dict[int, torch.Tensor] = {}
         self._members: tuple[str, ...] = ()
         self._processes: tuple[str, ...] = ()
@@ -142,17 +145,32 @@ class FaultTolerantSteps:
     def __enter__(self) -> FaultTolerantSteps:
         self.settings = self.settings.resolved()  # the logs name this group (its id may come from the environment)
         self.prefix = f"[{self.settings.replica_id}] "
+        done = finished()
+        if done is not None:
+            self._end_here(f"the job finished at step {done.step} (replica group {done.by} trained its last step)")
         if self._ahead is not None:
             self._ahead.start_workers()
         self._group = self.settings.join(self.state_dict, self.load_state_dict)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        state = self.loop.state
+        trained = self._num_epochs is not None and (state.epoch >= self._num_epochs or state.should_stop)
+        if exc[0] is None and trained and self.rank == 0 and self._group is not None:
+            record_finished(state.global_step, str(self.settings.replica_id))  # for the job's groups on this machine
         if self._ahead is not None:
             self._ahead.close()
         if self._group is not None:
             self._group.close()
             self._group = None
+
+    def _end_here(self, why: str) -> None:
+        """End this group's process with status 0 (every rank of the group, rank 0 saying ``why``): the job has
+        nothing left for it to train, and it writes no checkpoint."""
+        if self.rank == 0:
+            sys.stderr.write(f"ddpkit: replica group {self.settings.replica_id}: {why}: it trains nothing and ends\n")
+            sys.stderr.flush()
+        raise SystemExit(0)
 
     @property
     def leader(self) -> bool:
@@ -173,6 +191,7 @@ class FaultTolerantSteps:
         assert self._group is not None, "FaultTolerantSteps.epoch outside its with block"
         state, bar = self.loop.state, None
         self.position, self._finished, self._times = state.begin_epoch(), False, {}
+        self._num_epochs = num_epochs
         try:
             while state.epoch < num_epochs and not (state.should_stop and self.position == 0):
                 order = self._order(state.epoch)
@@ -214,6 +233,11 @@ class FaultTolerantSteps:
         it was not (the next quorum does it again) or was the job's first quorum."""
         loop, state, model = self.loop, self.loop.state, self.loop.model
         group.start_step()  # the quorum forms while this group computes the share it had in the last step
+        if group.alone and state.global_step == 0:  # started again, no peer to take the state from, no checkpoint
+            self._end_here(
+                f"started again, it found no other replica group of the job within {self.settings.quorum_timeout:g} s "
+                "(quorum_timeout): the job finished, or its other groups are gone, and nothing holds the run's state"
+            )  # fmt: skip
         epoch, low = state.epoch, self.position
         step = self._order(epoch)[low : low + self.size]
         loop.optimizer.zero_grad(set_to_none=True)
