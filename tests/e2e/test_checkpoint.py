@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddpkit.checkpoint import STALE_AFTER_S, load_checkpoint, save_checkpoint
-from tests.unit.test_checkpoint import _leftovers, _state
+from tests.support.checkpoint import _leftovers, _state
 
 _WRITER = """
 import sys, torch

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import alive
-from tests.unit.test_cli import ddpkit
+from tests.support.cli import ddpkit
 
 # A plain torchrun-style script, as a user would write it: no ddpkit inside.
 SCRIPT = textwrap.dedent(

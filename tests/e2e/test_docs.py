@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit._secret import write_secret_file
-from tests.unit.test_docs import RUNS, python_blocks, shell_blocks
+from tests.support.guides import RUNS, python_blocks, shell_blocks
 
 ROOT = Path(__file__).parents[2]
 

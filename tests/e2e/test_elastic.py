@@ -26,8 +26,7 @@ from ddpkit.examples.elastic import (
 )
 from ddpkit.testing import run_parallel
 from tests.helpers import wait_for
-from tests.ranks.test_elastic import _expected_epochs
-from tests.unit.test_elastic import _max_difference
+from tests.support.elastic import _expected_epochs, _max_difference
 
 # --- end to end: two agents, one lost or one added -------------------------------------------------
 

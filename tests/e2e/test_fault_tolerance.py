@@ -28,7 +28,7 @@ from tests.e2e.ft_trainloop import (
 from tests.e2e.ft_trainloop import records as _records
 from tests.e2e.ft_trainloop import steps as _steps
 from tests.helpers import JOB_SECRET, in_a_namespace, listening_sockets, refused, wait_for
-from tests.unit.test_fault_tolerance import _survivors_wait_for_the_restart
+from tests.support.fault_tolerance import NEXT_COMMIT_S, _survivors_wait_for_the_restart
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 
@@ -39,10 +39,6 @@ torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not i
 STEPS = 300
 KILL_AT = 40
 STEP_DELAY_S = 0.35
-#: Seconds from a kill to the survivors' next commit that tell "one step lost" from "a restart": 1.0-1.5 s on a
-#: quiet 2-core machine (bench/fault_tolerance.py measures it), up to 3 s while another test loads the cores
-#: (a quorum then splits: a group late by the lighthouse's 0.5 s join timeout); a restart takes 7-20 s.
-NEXT_COMMIT_S = 4.0
 
 
 def _free_port() -> int:
@@ -547,6 +543,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit import Callback, TrainLoop
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.fault_tolerance import TorchFT
+from tests.support.fault_tolerance import NEXT_COMMIT_S
 
 class Digits(Dataset):  # defined in the script, as users do
     def __init__(self, tensors):

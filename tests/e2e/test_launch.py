@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ddpkit import WorkerFailedError, launch
 from tests.helpers import alive
-from tests.unit.test_launch import _report
+from tests.support.launch import _report
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
 

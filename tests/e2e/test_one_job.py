@@ -18,7 +18,7 @@ import torch
 from ddpkit.testing import run_parallel
 from tests.e2e import one_job
 from tests.helpers import job_environment
-from tests.ranks.test_one_job import _as_in_the_ddp_tutorial, check_case
+from tests.support.one_job import _as_in_the_ddp_tutorial, check_case
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "tests" / "e2e" / "one_job.py"

@@ -8,22 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ranks.test_recipes import _fit
-from tests.unit.test_recipes import OPTIONS, _loop
+from tests.support.recipes import _fit, _loop
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
 
 
-#: fp16 with a global batch of 4 batches per step on one process, 2 on each of 2 ranks: the gradients are unscaled
-#: and clipped after the last micro-batch only.
-OPTIONS["fp16-clip-accumulated"] = {"precision": "16-mixed", "gradient_clip_norm": 0.3, "global_batch_size": 128}
-OPTIONS["all"] = {**OPTIONS["cosine-per-step"], **OPTIONS["clip-norm"], **OPTIONS["bf16"], **OPTIONS["compile"]}
-
-
 # --- resume and resize ------------------------------------------------------------------------------
-
-
-OPTIONS["fp16-cosine"] = {**OPTIONS["fp16"], **OPTIONS["cosine-per-step"]}
 
 
 # --- through fit_distributed: the callable scheduler is built in each worker -----------------------------

@@ -21,8 +21,8 @@ import torch
 
 from ddpkit._secret import write_secret_file
 from tests.helpers import holds_within, job_environment
+from tests.support.guides import ROOT, _guide_job_script, _guide_mpirun_line
 
-ROOT = Path(__file__).parents[2]
 DDPKIT = [sys.executable, "-m", "ddpkit"]
 
 
@@ -95,13 +95,6 @@ def _warn_and_start_again(job: str, cwd: Path, deadline: float) -> None:
         time.sleep(0.2)
     time.sleep(2)
     _run(["scontrol", "update", f"JobId={job}", "StartTime=now"], cwd)
-
-
-def _guide_job_script(page: str = "clusters.md") -> str:
-    guide = (ROOT / "docs" / page).read_text()
-    found = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", guide, re.DOTALL)
-    assert found is not None, f"{page} has no sbatch job script"
-    return found.group(1)
 
 
 @pytest.mark.slurm
@@ -184,7 +177,7 @@ def _check_one_node_finished_alone(output: str, out: Path, survivor: str, lost: 
     names it, ``survivor`` committed its next step within NEXT_COMMIT_S without a restart and finished alone;
     every item once per epoch, the weights of one process (step logs in ``out``)."""
     from tests.e2e.ft_trainloop import check_against_one_process, records, steps
-    from tests.e2e.test_fault_tolerance import NEXT_COMMIT_S
+    from tests.support.fault_tolerance import NEXT_COMMIT_S
 
     assert f"replica group '{survivor}' (1 ranks), one of 2" in output, output[-3000:]
     assert f"replica group '{lost}' ended with exit status 1 (no restart left)" in output, output[-3000:]
@@ -435,13 +428,6 @@ host=$1
 shift
 exec unshare -u /bin/sh -c 'hostname "$0" && exec /bin/sh -c "$1"' "$host" "$*"
 """
-
-
-def _guide_mpirun_line() -> str:
-    guide = (ROOT / "docs" / "fault-tolerance.md").read_text()
-    found = re.search(r"```bash\n(mpirun .*?)\n```", guide, re.DOTALL)
-    assert found is not None, "fault-tolerance.md has no mpirun line"
-    return found.group(1)
 
 
 @pytest.mark.mpi

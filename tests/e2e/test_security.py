@@ -23,7 +23,7 @@ from ddpkit import (
     launch,
 )
 from tests.helpers import in_a_namespace
-from tests.unit.test_security import _check_exposure
+from tests.support.security import _check_exposure
 
 # 127.0.0.2 is another address of this machine's loopback interface: a socket bound to every
 # interface answers there, one bound to 127.0.0.1 does not. Nothing here leaves the machine.

@@ -14,7 +14,7 @@ from torch import nn
 
 from ddpkit import DDPPlugin, unwrap_model
 from ddpkit.testing import run_parallel
-from tests.unit.test_ddp_plugin import data
+from tests.support.ddp_plugin import data
 
 # --- with a process group (pool) --------------------------------------------------------------------------
 

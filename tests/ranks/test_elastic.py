@@ -23,12 +23,10 @@ from ddpkit.examples.elastic import (
     recorded_steps,
     samples_per_epoch,
 )
-from ddpkit.examples.retrieval import BalancedBatchSampler
-from ddpkit.samplers import DistributedSamplerWrapper
 from ddpkit.testing import run_parallel
 from tests.builders import digits_loop, digits_model
 from tests.helpers import StopAfter
-from tests.unit.test_elastic import _max_difference, _refused
+from tests.support.elastic import _expected_epochs, _max_difference, _refused
 
 # --- training on 1, 2 and 3 ranks ----------------------------------------------------------------
 
@@ -78,20 +76,6 @@ def _elastic_fit(args: argparse.Namespace, stop: int | None = None) -> dict[str,
     except KeyboardInterrupt as interrupt:
         return str(interrupt)
     return {k: v.clone() for k, v in loop.model.state_dict().items()}
-
-
-def _expected_epochs(args: argparse.Namespace, epochs: int) -> dict[int, list[int]]:
-    """Each epoch's samples as ddpkit deals the training loader out (one rank, no padding)."""
-    loader = elastic_train_loop(args).train_loader
-    if args.sampler == "items":
-        return {epoch: list(range(len(loader.dataset))) for epoch in range(epochs)}  # type: ignore[arg-type]
-    assert isinstance(loader.batch_sampler, BalancedBatchSampler)
-    wrapper = DistributedSamplerWrapper(loader.batch_sampler, 1, 0, seed=args.seed, even_shards=False)
-    expected = {}
-    for epoch in range(epochs):
-        wrapper.set_epoch(epoch)
-        expected[epoch] = sorted(i for batch in wrapper for i in batch)
-    return expected
 
 
 @pytest.mark.parametrize("sampler", ["items", "pk"])

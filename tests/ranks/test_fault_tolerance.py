@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddpkit.fault_tolerance import TorchFT, serve_lighthouse
-from tests.unit.test_fault_tolerance import _digits_loop
+from tests.support.fault_tolerance import _digits_loop
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 

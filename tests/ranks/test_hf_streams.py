@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from ddpkit import StreamDataLoader, patch_dataloader_to_ddp
 from ddpkit.testing import run_parallel
 from tests.helpers import SETTLED_FORK
-from tests.unit.test_hf_streams import _numbers
+from tests.support.hf_streams import _numbers
 
 datasets = pytest.importorskip("datasets")
 

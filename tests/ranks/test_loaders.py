@@ -22,7 +22,7 @@ from ddpkit import (
     patch_dataloader_to_ddp,
 )
 from ddpkit.testing import run_parallel
-from tests.unit.test_loaders import EveryThirdBatch, rich_loader
+from tests.support.loaders import EveryThirdBatch, rich_loader
 
 DATA = TensorDataset(torch.arange(23))
 

@@ -22,24 +22,9 @@ from ddpkit.examples.digits import digits_datasets
 from ddpkit.testing import run_parallel
 from tests.builders import digits_model
 from tests.helpers import StopAfter
-from tests.unit.test_recipes import OPTIONS, _loop, _Record
+from tests.support.recipes import OPTIONS, _fit, _loop, _Record
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
-
-
-#: fp16 with a global batch of 4 batches per step on one process, 2 on each of 2 ranks: the gradients are unscaled
-#: and clipped after the last micro-batch only.
-OPTIONS["fp16-clip-accumulated"] = {"precision": "16-mixed", "gradient_clip_norm": 0.3, "global_batch_size": 128}
-OPTIONS["all"] = {**OPTIONS["cosine-per-step"], **OPTIONS["clip-norm"], **OPTIONS["bf16"], **OPTIONS["compile"]}
-
-
-def _fit(
-    batch_size: int, option: str, epochs: int = 2, **kwargs: Any
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[Any]]:
-    loop, record = _loop(batch_size, option, **kwargs), _Record()
-    loop.fit(epochs, callbacks=[record])
-    history = {**loop.history, "lr_after": [loop.recipe.learning_rate(loop.optimizer)]}
-    return {k: v.detach().clone() for k, v in loop.model.state_dict().items()}, history, record.steps
 
 
 def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -135,9 +120,6 @@ def test_a_run_resumed_mid_epoch_with_a_scheduler_and_fp16_is_bit_identical(tmp_
     assert history["train_loss"] == pytest.approx(expected_history["train_loss"], rel=1e-12)
     assert scaler == uninterrupted[0][1][1]
     assert steps == uninterrupted[0][2][8:], "steps 9 on have the uninterrupted learning rates"
-
-
-OPTIONS["fp16-cosine"] = {**OPTIONS["fp16"], **OPTIONS["cosine-per-step"]}
 
 
 def test_a_resize_with_a_global_batch_keeps_the_learning_rate_of_every_step(tmp_path: Path) -> None:

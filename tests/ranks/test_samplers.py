@@ -15,7 +15,7 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler
 
 from ddpkit import CollectiveMismatchError, DDPSamplerWrapper, DistributedSamplerWrapper
 from ddpkit.testing import run_parallel
-from tests.unit.test_samplers import GlobalRandomSampler
+from tests.support.samplers import GlobalRandomSampler
 
 # --- across real ranks ----------------------------------------------------------------------------------
 

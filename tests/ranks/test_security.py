@@ -15,7 +15,7 @@ from ddpkit import (
     all_gather_object,
 )
 from ddpkit.testing import run_parallel
-from tests.unit.test_security import _Exploit
+from tests.support.security import _Exploit
 
 # 127.0.0.2 is another address of this machine's loopback interface: a socket bound to every
 # interface answers there, one bound to 127.0.0.1 does not. Nothing here leaves the machine.

@@ -31,7 +31,7 @@ from ddpkit.examples.digits import DigitsStream, digits_datasets
 from ddpkit.testing import run_parallel
 from tests.builders import digits_model
 from tests.helpers import SETTLED_FORK
-from tests.unit.test_streams import Numbers, _regression, _Sample
+from tests.support.streams import Numbers, _regression, _Sample
 
 LENGTHS = (24, 23, 5)  # divides by ranks x workers x batch; does not; fewer items than some ranks x workers
 SHARDS = (None, 4, 6)  # no shards; shards that 2 ranks x 1-2 workers split; shards only 3 x 2 split

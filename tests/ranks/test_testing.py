@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ddpkit import WorkerFailedError, detect_environment
 from ddpkit.testing import run_parallel
-from tests.unit.test_testing import _placement
+from tests.support.testing import _placement
 
 
 def _raise_on(ranks: list[int]) -> int:

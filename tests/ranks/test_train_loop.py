@@ -22,7 +22,7 @@ from ddpkit.examples.digits import digits_datasets, load_digits
 from ddpkit.testing import run_parallel
 from ddpkit.training import TrainState
 from tests.helpers import StopAfter
-from tests.unit.test_train_loop import _model
+from tests.support.train_loop import _model
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
 

@@ -135,3 +135,22 @@ def test_no_module_writes_another_objects_private_attributes() -> None:
     options = writes.pop("fault_tolerance/_quorum_proof.py", [])
     assert sorted(found.partition(": ")[2] for found in options) == ["options._devices", "options._timeout"], options
     assert writes == {}, "write through a public attribute or method of the object's own class"
+
+
+def test_no_test_module_imports_another_test_module() -> None:
+    """What several test modules share lives in tests/helpers.py, tests/builders.py or tests/support/ (or a
+    script the tests run, such as tests/e2e/ft_trainloop.py): a test module imported by another runs its
+    module-level set-up twice and hides what it shares."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+                if isinstance(node, ast.ImportFrom)
+                else [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            if any(name.startswith("tests.") and name.rpartition(".")[2].startswith("test_") for name in names):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []

@@ -19,10 +19,7 @@ import torch
 from ddpkit import checkpoint
 from ddpkit.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ddpkit.training import TrainState
-
-
-def _state(step: int) -> dict[str, Any]:
-    return {"step": step, "weights": torch.full((5000,), float(step)), "nested": {"names": ["a", "b"]}}
+from tests.support.checkpoint import _leftovers, _state
 
 
 def _assert_whole(path: Path, step: int) -> None:
@@ -30,10 +27,6 @@ def _assert_whole(path: Path, step: int) -> None:
     assert loaded["step"] == step
     assert torch.equal(loaded["weights"], torch.full((5000,), float(step)))
     assert loaded["nested"] == {"names": ["a", "b"]}
-
-
-def _leftovers(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name != "last.pt")
 
 
 def _serialised_size() -> int:

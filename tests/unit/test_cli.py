@@ -6,30 +6,11 @@ Here, the tests that need no process; the others are in tests/e2e/test_cli.py.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ddpkit.cli import main
-
-
-def ddpkit(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m ddpkit ARGS`` in its own session; on timeout kill the whole session, workers included."""
-    command = [sys.executable, "-m", "ddpkit", *args]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:  # fmt: skip
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
 
 # --- in process ------------------------------------------------------------------------------
 

@@ -121,11 +121,6 @@ def _free_port() -> int:
 # --- with a process group (pool) --------------------------------------------------------------------------
 
 
-def data(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1000 + rank)
-    return [(torch.randn(5, 4, generator=generator), torch.randn(5, 2, generator=generator)) for _ in range(steps)]
-
-
 def test_configure_ddp_without_a_process_group_says_how_to_create_one() -> None:
     """Before, torch's raw 'Default process group has not been initialized' came out of DDP's constructor."""
     with pytest.raises(ValueError, match=r"needs a process group: call ddpkit.init_dist_connection\(\) first"):

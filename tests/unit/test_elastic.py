@@ -20,6 +20,7 @@ from ddpkit.samplers import EpochLayout
 from ddpkit.training._steps import GlobalBatch
 from tests.builders import digits_loop
 from tests.helpers import StopAfter
+from tests.support.elastic import _max_difference, _refused
 
 # --- the global batch: steps and weights ---------------------------------------------------------
 
@@ -59,20 +60,6 @@ def test_each_item_of_a_step_weighs_one_over_the_steps_items(world_size: int, st
 
 
 # --- training on 1, 2 and 3 ranks ----------------------------------------------------------------
-
-
-def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def _refused(global_batch: int, accumulation: int = 1, drop_last: bool = False) -> str:
-    loop = digits_loop(32, shuffle=False, drop_last=drop_last, validation_batch_size=None,
-                       global_batch_size=global_batch)  # fmt: skip
-    try:
-        loop.fit(1, grad_accumulation=accumulation)
-    except ValueError as error:
-        return str(error)
-    return "trained"
 
 
 def test_a_global_batch_refuses_grad_accumulation_and_drop_last() -> None:

@@ -20,8 +20,8 @@ from ddpkit.errors import DDPKitError, RendezvousFailedError
 from ddpkit.fault_tolerance import TorchFT, serve_lighthouse
 from ddpkit.fault_tolerance._torchft import torchft_module, url_host
 from ddpkit.training._replica_groups import _honoured
-from tests.builders import digits_loop
 from tests.helpers import JOB_SECRET
+from tests.support.fault_tolerance import _digits_loop
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 
@@ -45,13 +45,6 @@ def test_lighthouse_addresses_are_read_with_ipv6_brackets() -> None:
 def test_a_lighthouse_on_an_address_that_is_not_this_machines_names_the_addresses_it_has() -> None:
     with pytest.raises(RendezvousFailedError, match=r"192\.0\.2\.1.*this machine's addresses are"):
         serve_lighthouse("192.0.2.1")  # TEST-NET-1: never this machine's
-
-
-def _digits_loop(**kwargs: Any) -> Any:
-    """The demo's model (unseeded) on the digits in batches of 16, in order, or on ``loader``; no validation."""
-    from ddpkit.examples.demo import build_model
-
-    return digits_loop(16, model=build_model(), shuffle=False, validation_batch_size=None, **kwargs)
 
 
 def _callback_events(fault_tolerance: Any, checkpoint_dir: Path) -> list[tuple[str, int]]:
@@ -284,13 +277,6 @@ def test_a_fault_tolerant_trainloop_refuses_a_batch_sampler_naming_the_fix(monke
 # --- TrainLoop(fault_tolerance=...): the step plan survives a change of quorum ----------------------------
 
 
-def _survivors_wait_for_the_restart(tmp_path: Path) -> dict[str, str]:
-    """The environment in which the groups that outlive step 30's kill wait, after step 34, until the restarted
-    group has joined (tests/e2e/ft_trainloop.py): however slowly it starts, it finds peers to heal from."""
-    marker = str(tmp_path / "restarted")
-    return {"FT_RESTART_MARKER": marker, "FT_WAIT_FOR": marker, "FT_WAIT_AT": "34"}
-
-
 @pytest.mark.parametrize(
     ("arguments", "said"),
     [
@@ -507,3 +493,35 @@ def test_a_lighthouse_port_taken_by_something_else_is_named_and_one_that_a_light
     with serve_lighthouse("127.0.0.1") as served:  # a second "node" of this machine: the first one serves it
         port = int(served.address.rpartition(":")[2])
         assert _lighthouse_here("127.0.0.1", port, min_replicas=1) is None
+
+
+def test_a_quorum_that_does_not_form_in_time_is_asked_for_again_before_the_group_gives_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torchft's manager raises a quorum's timeout from the next step's start, which ends the group's process: the
+    group asks its manager again, up to QUORUM_ATTEMPTS times, saying so, and records the quorum that came."""
+    from types import SimpleNamespace
+
+    from ddpkit.fault_tolerance._replica import QUORUM_ATTEMPTS, _RecordingClient
+
+    class Slow:
+        def __init__(self, timeouts: int) -> None:
+            self.timeouts, self.asked = timeouts, 0
+
+        def _quorum(self, **kwargs: Any) -> Any:
+            self.asked += 1
+            if self.asked <= self.timeouts:
+                raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+            return SimpleNamespace(replica_ids=["g0:a", "g1:b"])
+
+    ids: list[str] = []
+    slow = Slow(QUORUM_ATTEMPTS - 1)
+    with caplog.at_level("WARNING", "ddpkit.fault_tolerance"):
+        assert _RecordingClient(slow, ids, "g0")._quorum(timeout=1).replica_ids == ["g0:a", "g1:b"]
+    assert (slow.asked, ids) == (QUORUM_ATTEMPTS, ["g0:a", "g1:b"])
+    assert f"replica group g0: no quorum formed within quorum_timeout (status: Cancelled, message: \"Timeout " \
+           f"expired\"); asking again (2 of {QUORUM_ATTEMPTS})" in caplog.text  # fmt: skip
+    never = Slow(QUORUM_ATTEMPTS)
+    with pytest.raises(TimeoutError, match="Timeout expired"):
+        _RecordingClient(never, [], "g0")._quorum(timeout=1)
+    assert never.asked == QUORUM_ATTEMPTS

@@ -8,19 +8,10 @@ Here, the tests that need no process; the others are in tests/ranks/test_hf_stre
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from ddpkit import ShardedStream
-
-datasets = pytest.importorskip("datasets")
-
-ITEMS = 101
-
-
-def _numbers(shards: int) -> Any:
-    return datasets.Dataset.from_dict({"x": list(range(ITEMS))}).to_iterable_dataset(num_shards=shards)
+from tests.support.hf_streams import ITEMS, _numbers
 
 
 def test_a_hugging_face_stream_split_by_node_already_is_refused() -> None:

@@ -10,27 +10,12 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ddpkit import RendezvousFailedError, launch
 from ddpkit.jobs._worker import limit_threads
+from tests.support.launch import _report
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
-
-
-def _report(offset: int, weights: torch.Tensor, *, scale: int) -> dict[str, object]:
-    total = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(total)
-    weights.add_(dist.get_rank() + 1)  # each rank's own copy: nothing shared behind DDP's back
-    dist.barrier()
-    return {
-        "weights": weights.tolist(),
-        "rank": dist.get_rank(),
-        "world_size": dist.get_world_size(),
-        "sum": total.item() * scale + offset,
-        "threads": torch.get_num_threads(),
-        "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"),
-    }
 
 
 # --- tests ------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Sa
 
 from ddpkit import DDPSamplerWrapper, DistributedSamplerWrapper
 from ddpkit.ordered import _place
+from tests.support.samplers import GlobalRandomSampler
 
 
 class ReversedSampler(Sampler[int]):
@@ -31,19 +32,6 @@ class ReversedSampler(Sampler[int]):
 
     def __iter__(self) -> Any:
         return iter(range(self.n - 1, -1, -1))
-
-
-class GlobalRandomSampler(Sampler[int]):
-    """Draws from torch's global RNG, as many custom samplers do."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Any:
-        return iter(torch.randperm(self.n).tolist())
 
 
 def base_sampler(kind: str, n: int, batch: int | None, batch_drop: bool) -> Any:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ddpkit import (
@@ -32,17 +31,8 @@ from ddpkit.jobs import _rendezvous
 from ddpkit.jobs._agent import rendezvous
 from ddpkit.jobs._agent import rendezvous_store as rendezvous_store_of_agent
 from ddpkit.jobs._agent_log import agent_log
-from tests.helpers import JOB_SECRET, listening_sockets, refused, rendezvous_handler, state_holder
-
-# 127.0.0.2 is another address of this machine's loopback interface: a socket bound to every
-# interface answers there, one bound to 127.0.0.1 does not. Nothing here leaves the machine.
-OTHER_LOCAL_ADDRESS = "127.0.0.2"
-
-
-def _check_exposure(pids: list[int]) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """(every listening socket of ``pids``, those that also answer on another local address)."""
-    sockets = listening_sockets(pids)
-    return sockets, [(address, port) for address, port in sockets if not refused(OTHER_LOCAL_ADDRESS, port)]
+from tests.helpers import JOB_SECRET, listening_sockets, rendezvous_handler, state_holder
+from tests.support.security import _check_exposure, _Exploit
 
 
 def test_a_single_process_group_listens_on_loopback_only() -> None:
@@ -92,19 +82,6 @@ def test_a_port_held_by_a_peer_store_is_shared_when_peers_may_hold_it() -> None:
 
 
 # --- pickles ------------------------------------------------------------------------------------
-
-
-def _mark(path: str) -> None:
-    """What a crafted pickle runs when unpickled: leaves a file named after the rank that ran it."""
-    Path(f"{path}.rank{dist.get_rank()}").write_text("code ran here")
-
-
-class _Exploit:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return (_mark, (self.path,))
 
 
 def test_the_launcher_log_is_a_new_private_file_that_a_planted_symlink_cannot_redirect(
@@ -171,8 +148,8 @@ def test_a_pickle_that_would_run_code_is_refused_before_it_is_loaded(
     state = _RendezvousState()
     state.closed = _Exploit(str(marker))  # type: ignore[assignment]  # inside a real state
     for payload, named in (
-        (pickle.dumps(_Exploit(str(marker))), "tests.unit.test_security._mark"),
-        (pickle.dumps(state), "tests.unit.test_security._mark"),
+        (pickle.dumps(_Exploit(str(marker))), "tests.support.security._mark"),
+        (pickle.dumps(state), "tests.support.security._mark"),
         (pickle.dumps(print), "builtins.print"),
     ):
         _write(rendezvous_store, payload)

@@ -6,16 +6,9 @@ Here, the tests that need no process; the others are in tests/ranks/test_testing
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from ddpkit.testing import run_parallel
-
-
-def _placement(offset: int, *, scale: int = 1) -> tuple[int, int, float]:
-    total = torch.tensor([float(dist.get_rank())])
-    dist.all_reduce(total)
-    return dist.get_rank() + offset, dist.get_world_size(), total.item() * scale
+from tests.support.testing import _placement
 
 
 def test_unpicklable_function_is_rejected_in_the_caller() -> None:

@@ -14,13 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddpkit import Callback, TrainLoop
 from ddpkit.examples.digits import digits_datasets, load_digits
+from tests.support.train_loop import _model
 
 # --- run in the workers (top level: pickled by reference) -----------------------------------
-
-
-def _model(dropout: float = 0.0) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 10))
 
 
 # --- behaviour ---------------------------------------------------------------------------------

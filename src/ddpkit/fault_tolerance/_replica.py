@@ -133,7 +133,7 @@ class ReplicaGroup:
         try:
             with (
                 _manager_server_on(managers, local),
-                _client_recording(managers, self._quorum_ids),
+                _client_recording(managers, self._quorum_ids, replica_id),
                 _signed_group_store(managers, secret, f"torchft group store|{store[0]}:{store[1]}|{group_context()}",
                                     signed),
             ):  # fmt: skip
@@ -319,14 +319,15 @@ def local_address(lighthouse: str) -> str:
 @contextmanager
 def _manager_server_on(managers: Any, address: str) -> Iterator[None]:
     """Within the block, torchft's ``Manager`` builds its server bound to ``address`` (on the port it chose:
-    ``TORCHFT_MANAGER_PORT``, else a free one)."""
-    original = managers.ManagerServer
-
-    def bound(*args: Any, **kwargs: Any) -> Any:
-        port = str(kwargs.get("bind", ":0")).rpartition(":")[2] or "0"
-        return original(*args, **{**kwargs, "bind": f"{bracketed(address)}:{port}"})
-
+    ``TORCHFT_MANAGER_PORT``, else a free one). Under :data:`_CONSTRUCTION` from before torchft's class is read:
+    a block that read it while another's replacement was in place would put that one back for good."""
     with _CONSTRUCTION:
+        original = managers.ManagerServer
+
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            port = str(kwargs.get("bind", ":0")).rpartition(":")[2] or "0"
+            return original(*args, **{**kwargs, "bind": f"{bracketed(address)}:{port}"})
+
         managers.ManagerServer = bound
         try:
             yield
@@ -362,15 +363,32 @@ def group_name(replica_id: str) -> str:
     return replica_id.rpartition(":")[0] or replica_id
 
 
+#: How many times a group asks for one step's quorum when none forms within ``quorum_timeout``.
+QUORUM_ATTEMPTS = 3
+
+
 class _RecordingClient:
     """torchft's ``ManagerClient``, keeping the replica ids of each quorum it receives (torchft's manager keeps
-    them to itself) in ``ids``."""
+    them to itself) in ``ids``, and asking again (up to :data:`QUORUM_ATTEMPTS` times) when no quorum formed
+    within its timeout: torchft's manager would raise that from the next step's ``start_quorum`` and the group's
+    process would end (seen while a stranger spoke in a group's name and the quorums were slow to form)."""
 
-    def __init__(self, client: Any, ids: list[str]) -> None:
-        self._client, self._ids = client, ids
+    def __init__(self, client: Any, ids: list[str], replica_id: str) -> None:
+        self._client, self._ids, self._replica_id = client, ids, replica_id
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        quorum = self._client._quorum(*args, **kwargs)
+        for attempt in range(1, QUORUM_ATTEMPTS + 1):
+            try:
+                quorum = self._client._quorum(*args, **kwargs)
+                break
+            except TimeoutError as error:
+                if attempt == QUORUM_ATTEMPTS:
+                    raise
+                log.warning(
+                    "replica group %s: no quorum formed within quorum_timeout (%s); asking again (%d of %d)",
+                    self._replica_id, str(error).splitlines()[0] if str(error) else "TimeoutError", attempt + 1,
+                    QUORUM_ATTEMPTS,
+                )  # fmt: skip
         self._ids[:] = list(quorum.replica_ids)
         return quorum
 
@@ -382,13 +400,13 @@ class _RecordingClient:
 
 
 @contextmanager
-def _client_recording(managers: Any, ids: list[str]) -> Iterator[None]:
+def _client_recording(managers: Any, ids: list[str], replica_id: str) -> Iterator[None]:
     """Within the block (under :data:`_CONSTRUCTION`), torchft's ``Manager`` gets a client that records the
-    quorums' replica ids into ``ids``."""
+    quorums' replica ids into ``ids`` (and asks again for a quorum that did not form in time)."""
     original = managers.ManagerClient
 
     def recording(*args: Any, **kwargs: Any) -> _RecordingClient:
-        return _RecordingClient(original(*args, **kwargs), ids)
+        return _RecordingClient(original(*args, **kwargs), ids, replica_id)
 
     managers.ManagerClient = recording
     try:
