@@ -86,16 +86,36 @@ _inventories = {"python": "https://docs.python.org/3", "torch": "https://docs.py
 intersphinx_mapping = {name: (url, None) for name, url in _inventories.items() if _reachable(f"{url}/objects.inv")}
 
 
+def _private(base: type) -> bool:
+    """Whether ``base`` is private to ddpkit: in a ``ddpkit._module``, or named ``_Something``."""
+    module = getattr(base, "__module__", "")
+    return module.startswith("ddpkit") and ("._" in module or base.__name__.startswith("_"))
+
+
 def _public_bases(app: object, name: str, obj: object, options: object, bases: list[type]) -> None:
-    """A base class private to ddpkit (in a ``ddpkit._module``) shows as its own bases instead: ``Preempted``
-    is a ``SystemExit`` to its users."""
+    """A base class private to ddpkit shows as its own bases instead: ``Preempted`` is a ``SystemExit`` to its
+    users, ``TensorBoardLogger`` a ``Callback`` (not a ``_MetricsLogger``)."""
     shown: list[type] = []
     for base in bases:
-        while base.__module__.startswith("ddpkit._") and base.__bases__:
+        while _private(base) and base.__bases__:
             base = base.__bases__[0]
-        shown.append(base)
+        if base not in shown:
+            shown.append(base)
     bases[:] = shown
+
+
+def _no_none_return_type(app: object, domain: str, objtype: str, content: object) -> None:
+    """Drop "Return type: None" (what a procedure returns says nothing), after autodoc added the types."""
+    from docutils import nodes
+
+    for fields in list(content.findall(nodes.field_list)):  # type: ignore[attr-defined]
+        for field in list(fields):
+            if field[0].astext() in ("rtype", "Return type") and field[1].astext().strip() == "None":
+                fields.remove(field)
+        if not len(fields):
+            fields.parent.remove(fields)
 
 
 def setup(app: object) -> None:
     app.connect("autodoc-process-bases", _public_bases)  # type: ignore[attr-defined]
+    app.connect("object-description-transform", _no_none_return_type, priority=600)  # type: ignore[attr-defined]

@@ -31,8 +31,8 @@ def shell_blocks() -> dict[tuple[str, int], str]:
 #: How the blocks that this test does not run itself run: the quick start is CI's own script, and the sbatch
 #: scripts (the clusters guide's, the fault-tolerance guide's) are submitted to the two-node Slurm cluster by
 #: tests/e2e/test_schedulers.py, which also runs the fault-tolerance guide's mpirun line on two "nodes".
-ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("clusters.md", 1), ("fault-tolerance.md", 3),
-             ("fault-tolerance.md", 4)}  # fmt: skip
+ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("installation.md", 0), ("clusters.md", 1),
+             ("fault-tolerance.md", 3), ("fault-tolerance.md", 4)}  # fmt: skip
 
 
 #: What a block needs to run on one 2-core machine, by (page, index): ``nodes`` (2: every line that names
@@ -45,6 +45,8 @@ RUNS: dict[tuple[str, int], dict[str, Any]] = {
         "expect": r"after 5 epochs: (0\.9\d+)\n(.|\n)*already trained 5 of 5 epochs in runs/digits; nothing to do: "
         r"delete it, pass a new checkpoint_dir, or ask for more epochs\n(.|\n)*after 5 epochs: \1\n"
     },
+    # what ddpkit detects (JSON), then the doctor's table over 2 ranks
+    ("installation.md", 1): {"expect": r"\"environment\": \"local\"(.|\n)*size/rank: bytes of the result on each rank"},
     ("launching.md", 0): {"expect": r"2 ranks, 3 epochs: validation accuracy 0\.9(.|\n)*\"world_size\""},
     ("elastic.md", 0): {
         # a free port, the test's own folder, and 2 of the 20 epochs (which leave time to stop and add a node)

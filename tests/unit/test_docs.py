@@ -128,6 +128,7 @@ def test_every_shell_block_of_the_readme_and_the_guides_is_run_by_a_test() -> No
     assert sorted((ELSEWHERE | set(RUNS)) - set(blocks)) == [], "a block that moved: update RUNS and ELSEWHERE"
     for key in ("README.md", 0), ("getting-started.md", 0):
         assert blocks[key].splitlines() == quick_start_commands()  # and CI runs them: see the test above
+    assert blocks["installation.md", 0].splitlines() == quick_start_commands()[:1]
     from tests.support.guides import _guide_job_script, _guide_mpirun_line
 
     assert _guide_job_script() == blocks["clusters.md", 1]
@@ -136,3 +137,13 @@ def test_every_shell_block_of_the_readme_and_the_guides_is_run_by_a_test() -> No
     for key, run in RUNS.items():
         for old in run.get("replace", {}):
             assert old in blocks[key], f"{key}: {old!r} is no longer in the block"
+
+
+def test_the_pages_that_say_which_python_agree_with_the_troubleshooting_note() -> None:
+    """The set-up says Python 3.11; the troubleshooting note asks for 3.11.8 or newer where DataLoaders have
+    workers (a CPython fork deadlock): every page that gives the set-up says both."""
+    note = (ROOT / "docs" / "hangs.md").read_text()
+    assert "Use Python 3.11.8\n  or newer" in note
+    for page in ("README.md", "docs/getting-started.md", "CONTRIBUTING.md"):
+        words = " ".join((ROOT / page).read_text().split())
+        assert "Python 3.11 (3.11.8 or newer where DataLoaders have workers" in words, page

@@ -11,7 +11,7 @@ before anything moves between them, and a recovering group's state moves over
 the groups' process group as tensors and plain values, never unpickled.
 
 - :func:`serve_lighthouse`: torchft's lighthouse, listening on one address.
-- :class:`ReplicaGroup`: one replica group (today: one process) in the job:
+- :class:`ReplicaGroup`: one replica group in the job (one process, or every rank of a process group):
   the step's quorum, the gradients averaged over its participants, the commit.
 
 - :class:`TorchFT`: the settings of ``TrainLoop(fault_tolerance=...)``, which trains as one replica group.
