@@ -147,3 +147,21 @@ def test_the_pages_that_say_which_python_agree_with_the_troubleshooting_note() -
     for page in ("README.md", "docs/getting-started.md", "CONTRIBUTING.md"):
         words = " ".join((ROOT / page).read_text().split())
         assert "Python 3.11 (3.11.8 or newer where DataLoaders have workers" in words, page
+
+
+def test_the_api_reference_has_every_name_of_ddpkit_once_on_a_page_of_its_topic() -> None:
+    """``ddpkit``'s names are documented by topic (launching, data, collectives, the model side, TrainLoop,
+    errors), not as one page in alphabetical order: each name on exactly one of those pages."""
+    import ddpkit
+
+    pages = ["launching", "data", "collectives", "model", "trainloop", "errors"]
+    index = (ROOT / "docs" / "api" / "index.md").read_text()
+    assert all(f"\n{page}\n" in index for page in pages)
+    documented = [
+        name
+        for page in pages
+        for name in re.findall(
+            r"^\.\. auto(?:class|function):: (\w+)$", (ROOT / "docs" / "api" / f"{page}.md").read_text(), re.M
+        )
+    ]
+    assert sorted(documented) == sorted(name for name in ddpkit.__all__ if name != "__version__")
