@@ -334,3 +334,95 @@ def test_srun_style_tasks_print_the_report_and_all_exit(tmp_path: Path) -> None:
     assert f"{script}:8 in <module>: time.sleep(120)" in stderr
     assert ended - _started(tmp_path) <= DEADLINE + 10
     _no_process_left(tmp_path)
+
+
+_USER_SCRIPT = """
+import os, sys, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+import ddpkit
+from ddpkit.examples.digits import digits_datasets
+
+
+class Digits(Dataset):
+    def __init__(self):
+        self.x, self.y = digits_datasets(seed=0)[0].tensors
+        self.reads = 0
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        if os.environ.get("RANK") == "1" and self.reads == 100:
+            time.sleep(600)  # stuck here
+        return self.x[index], self.y[index]
+
+
+def loop():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    loader = DataLoader(Digits(), batch_size=32, shuffle=True, num_workers=1)
+    return ddpkit.TrainLoop(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), progress=False)
+
+
+def train():
+    loop().fit(1)  # the fit
+
+
+if __name__ == "__main__":
+    print("ddpkit from", ddpkit.__file__)
+    try:
+        if sys.argv[1] == "launch":
+            ddpkit.launch(train, nprocs=2, timeout=float(sys.argv[2]))
+        else:
+            loop().fit_distributed(1, num_processes=2, timeout=float(sys.argv[2]))
+    except ddpkit.HangError as error:
+        print(error)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("install", ["wheel", "checkout"])
+def test_the_report_names_the_users_script_from_a_wheel_through_launch_and_from_fit_distributed(
+    install: str, tmp_path: Path
+) -> None:
+    """A user's script (its own Dataset, stuck in rank 1's DataLoader worker) with ddpkit installed from a wheel
+    of the checkout, through ``ddpkit.launch``; and with the checkout's install, through ``fit_distributed``
+    (the loop pickled to new processes). Rank 0 is "called at" the script's own line, rank 1's worker is at the
+    stuck line, no ddpkit frame is marked as the user's, and ddpkit's files are shown short."""
+    script = tmp_path / "user_job.py"
+    script.write_text(_USER_SCRIPT)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("DDPKIT_", "PYTEST_", "RANK"))}
+    if install == "wheel":
+        wheels, site = tmp_path / "wheels", tmp_path / "site"
+        pip = [sys.executable, "-m", "pip"]
+        built = [*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(HERE.parents[2])]
+        subprocess.run(built, check=True, capture_output=True, timeout=120)
+        (wheel,) = wheels.glob("ddpkit-*.whl")
+        installed = [*pip, "install", "-q", "--no-deps", "--target", str(site), str(wheel)]
+        subprocess.run(installed, check=True, capture_output=True, timeout=120)
+        env["PYTHONPATH"] = str(site)  # before the checkout's editable install
+    how = "launch" if install == "wheel" else "fit_distributed"
+    done = subprocess.run([sys.executable, str(script.name), how, "10"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=200, start_new_session=True)  # fmt: skip
+    out = done.stdout
+    assert (f"ddpkit from {tmp_path / 'site'}" if install == "wheel" else "ddpkit from " + str(HERE.parents[2])) in out
+    fit = _user_line("# the fit") if how == "launch" else None
+    if fit is not None:
+        assert re.search(rf"rank 0: in all_reduce #\d+ \(float32 \[\d+\]\) for [\d.]+ s, called at user_job\.py:{fit} "
+                         r"in train", out), out  # fmt: skip
+    else:  # the user's call is in the parent process: the workers' stacks hold no frame of the script
+        assert re.search(r"rank 0: in all_reduce #\d+ \(float32 \[\d+\]\) for [\d.]+ s\n", out), out
+    stuck = _user_line("# stuck here")
+    assert f"which is at user_job.py:{stuck} in __getitem__: time.sleep(600)" in out, out
+    marked = [line for line in out.splitlines() if line.lstrip().startswith("> ")]
+    assert marked, out
+    assert all("user_job.py:" in line for line in marked), marked
+    assert not re.search(r"^\s+/\S*/ddpkit/", out, re.M), "ddpkit's frames shown with absolute paths"
+    assert re.search(r"^\s+ddpkit/training/_loop\.py:\d+ in fit", out, re.M), out
+
+
+def _user_line(marker: str) -> int:
+    """The line of the user's script that holds ``marker``."""
+    return next(number for number, text in enumerate(_USER_SCRIPT.splitlines(), start=1) if marker in text)
