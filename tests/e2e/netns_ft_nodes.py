@@ -12,6 +12,10 @@ machine::
 step 30 (epoch 1), rank 1 of ``node-a`` in step 52 (epoch 2); each time the group's agent starts its ranks again.
 Once both groups committed steps, this reads every socket the job's processes listen on; it then waits for both
 commands to end and writes ``result.json`` in OUTDIR.
+
+``python -m tests.e2e.netns_ft_nodes late OUTDIR``: both ranks of ``node-b`` SIGKILL themselves in step 60 of 69,
+and their agent's restart comes only once ``node-a`` has finished (``$FT_LATE_RESTART``): a group started again
+after the job finished, with nothing to tell it so but the quorums it no longer finds.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ DELAY_S = "0.35"
 SECOND_KILL_AT = 52
 
 
-def main(out: Path) -> None:
+def main(out: Path, late: bool = False) -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     for address in (HOST, OTHER):
         subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", "lo"], check=True)
@@ -45,13 +49,19 @@ def main(out: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "FT_KILL_GROUP": "node-b",
            "FT_KILL_ALSO": f"node-a:1:{SECOND_KILL_AT}", "FT_RESTART_MARKER": marker, "FT_WAIT_FOR": waits,
            "FT_WAIT_AT": f"34,{SECOND_KILL_AT + 4}"}  # fmt: skip
+    kill_at = "30"
+    if late:
+        finished = ",".join(str(out / f"node-a{rank}.json") for rank in ("", ".rank1"))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "FT_KILL_GROUP": "node-b",
+               "FT_LATE_RESTART": finished}  # fmt: skip
+        kill_at = "60"
     env.pop("DDPKIT_JOB_SECRET", None)
     nodes: list[tuple[subprocess.Popen[bytes], Path]] = []
     result: dict[str, Any] = {}
     for name in ("node-a", "node-b"):  # node-a first: it serves the lighthouse (both could: one machine)
         command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "--nnodes", "2", "-n", "2",
                    "--rdzv-endpoint", f"{HOST}:29510", "--secret-file", str(secret), "--replica-id", name,
-                   "--max-restarts", "1", "-m", "tests.e2e.ft_trainloop", "-", "-", str(out), "30",
+                   "--max-restarts", "1", "-m", "tests.e2e.ft_trainloop", "-", "-", str(out), kill_at,
                    DELAY_S]  # fmt: skip
         log = out / f"{name}.log"
         with open(log, "wb") as output:
@@ -75,4 +85,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[-1]), sys.argv[1:-1] == ["late"])

@@ -510,6 +510,29 @@ def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ran
     _check_every_item_once_per_epoch_and_the_weights_of_one_process(node_a + node_b, node_a + node_b)
 
 
+@pytest.mark.netns
+@pytest.mark.timeout(330)
+def test_a_node_whose_group_comes_back_after_the_other_node_finished_trains_nothing_and_both_end_with_status_0(
+    tmp_path: Path,
+) -> None:
+    """Two "nodes" of two ranks (one `ddpkit run --fault-tolerance --nnodes 2` each, test addresses of a network
+    namespace): node-b's ranks SIGKILL themselves in step 60 of 69, and their restart comes only once node-a has
+    finished. Started again, node-b's group finds no other group within quorum_timeout (30 s here), says so,
+    trains nothing and saves nothing; both commands end with status 0 (it once trained the whole run alone)."""
+    result = in_a_namespace("late", tmp_path, module="tests.e2e.netns_ft_nodes", timeout=320)
+    logs = "\n".join(result["logs"])
+    assert result["codes"] == [0, 0], logs[-4000:]
+    said = "ddpkit: replica group node-b: started again, it found no other replica group of the job within 30 s"
+    assert said in result["logs"][1], logs[-4000:]
+    assert "the job starts with" not in logs, "the late group took itself for a new job"
+    for out in (tmp_path / "node-b", tmp_path / "node-b.rank1"):
+        killed = next(r for r in _records(out) if "kill" in r)
+        assert not [r for r in _steps([out]) if r["pid"] != killed["pid"]], f"{out.name} trained again"
+        assert not Path(f"{out}.json").exists(), f"{out.name} saved a result"
+    for out in (tmp_path / "node-a", tmp_path / "node-a.rank1"):
+        assert json.loads(Path(f"{out}.json").read_text())["validation_accuracy"][-1] > 0.8
+
+
 @pytest.mark.timeout(300)
 def test_fit_distributed_with_fault_tolerance_restarts_a_killed_group_and_hands_back_one_processs_weights(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
