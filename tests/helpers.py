@@ -41,6 +41,13 @@ JOB_SECRET = "5e0d6c1f9a2b47e3b8c4d19f0a6e2b7c3d8f1a4e9b2c6d0f7a3e5b8c1d4f9a2e"
 OTHER_SECRET = "c7a1f3e9d2b8046a5c9e1f7b3d0a8e6c2f4b9d1a7e3c5f0b8d6a2e4c9f1b7d3a"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` right now (the kernel's pick; another process may take it before it is used)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     try:

@@ -34,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import JOB_SECRET, holds_within, listening_sockets
+from tests.helpers import JOB_SECRET, free_port, holds_within, listening_sockets
 
 HOST = "10.77.0.1"
 HOST6 = "fd77::1"
@@ -108,12 +108,6 @@ class _Exploit:
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return (os.system, (f"touch {self.marker}",))
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def _store(port: int) -> Any:
@@ -229,7 +223,7 @@ def main(mode: str, out: Path) -> None:
     script = out / "worker.py"
     script.write_text(_WORKER)
     host = HOST6 if mode == "ipv6" else HOST
-    port = _free_port(host)
+    port = free_port(host)
     endpoint = f"[{host}]:{port}" if mode == "ipv6" else f"{host}:{port}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if mode == "forged":
@@ -272,7 +266,7 @@ def _secret_job(mode: str, out: Path) -> None:
 
     script = out / "worker.py"
     script.write_text(_DDPKIT_WORKER)
-    port = _free_port(HOST)
+    port = free_port(HOST)
     endpoint = f"{HOST}:{port}"
     env = dict(os.environ, PYTHONUNBUFFERED="1", DDPKIT_JOB_SECRET=JOB_SECRET)
     env["DDPKIT_PROOF_TIMEOUT"] = "10"
@@ -281,7 +275,7 @@ def _secret_job(mode: str, out: Path) -> None:
     stranger = None
     hijacker = threading.Thread(target=lambda: None)
     if mode == "hijack":
-        stranger_port = _free_port(STRANGER)
+        stranger_port = free_port(STRANGER)
         stranger = _stranger_group(out, 0, STRANGER, stranger_port)
         hijacker = threading.Thread(target=_keep_hijacking, args=(port, stranger_port, done.is_set), daemon=True)
     hijacker.start()

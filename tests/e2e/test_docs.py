@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit._secret import write_secret_file
+from tests.helpers import free_port
 from tests.support.guides import RUNS, python_blocks, shell_blocks
 
 ROOT = Path(__file__).parents[2]
@@ -68,12 +68,6 @@ def test_the_torchrun_style_example_runs_under_ddpkit_run(tmp_path: Path) -> Non
 # --- every shell block runs -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("key", sorted(RUNS), ids=lambda key: f"{key[0]}-{key[1]}")
 def test_every_shell_block_of_the_guides_runs(key: tuple[str, int], tmp_path: Path) -> None:
@@ -82,7 +76,7 @@ def test_every_shell_block_of_the_guides_runs(key: tuple[str, int], tmp_path: Pa
     run = RUNS[key]
     block = shell_blocks()[key]
     for old, new in run.get("replace", {}).items():
-        block = block.replace(old, new.format(port=_free_port(), home=tmp_path))
+        block = block.replace(old, new.format(port=free_port(), home=tmp_path))
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])
     env = {**_clean_env(), "HOME": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}

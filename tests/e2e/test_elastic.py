@@ -25,7 +25,7 @@ from ddpkit.examples.elastic import (
     samples_per_epoch,
 )
 from ddpkit.testing import run_parallel
-from tests.helpers import wait_for
+from tests.helpers import free_port, wait_for
 from tests.support.elastic import _expected_epochs, _max_difference
 
 # --- end to end: two agents, one lost or one added -------------------------------------------------
@@ -39,12 +39,6 @@ def _agent(command: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 #: Short heartbeats and last call, so that a lost node is noticed in 3 s and the group re-forms 2 s later.
 _FAST_RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -82,7 +76,7 @@ def test_a_job_that_loses_a_node_mid_epoch_finishes_on_one_with_the_same_result(
     """Two `ddpkit run --nnodes 1:2` agents, one process each; SIGKILL the second agent and its worker in the
     middle of epoch 2 (0-based 1). The first finishes alone: every sample once per epoch, and the weights of
     an uninterrupted 2-rank run."""
-    port = _free_port()
+    port = free_port()
     example = ["-m", "ddpkit.examples.elastic", "--checkpoint-dir", str(tmp_path / "checkpoints"),
                "--record", str(tmp_path / "record"), "--step-delay", "0.1"]  # fmt: skip
     agent = [sys.executable, "-m", "ddpkit", "run", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -110,7 +104,7 @@ def test_a_job_that_loses_a_node_mid_epoch_finishes_on_one_with_the_same_result(
 def test_a_job_that_gains_a_node_mid_epoch_goes_on_on_two_with_the_same_result(tmp_path: Path) -> None:
     """`fit_distributed(nnodes="1:2")` in one agent, P x K batches; a second agent joins during epoch 1 (0-based
     0): the run goes on on two ranks, every batch once per epoch, the weights of an uninterrupted 2-rank run."""
-    port = _free_port()
+    port = free_port()
     common = [sys.executable, "-m", "ddpkit.examples.elastic", "--nnodes", "1:2", "--rdzv-endpoint",
               f"127.0.0.1:{port}", "--rdzv-conf", _FAST_RDZV, "--checkpoint-dir", str(tmp_path / "checkpoints"),
               "--record", str(tmp_path / "record"), "--sampler", "pk", "--step-delay", "0.3",

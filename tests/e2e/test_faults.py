@@ -23,7 +23,7 @@ from ddpkit import Callback, TrainLoop
 from ddpkit.examples.demo import DemoConfig, train_digits, weights_digest
 from ddpkit.testing import run_parallel
 from tests.builders import digits_loop, digits_model
-from tests.helpers import alive
+from tests.helpers import alive, free_port
 
 #: The reference trains in the test pool with 1 thread per rank; a run compared with it bit for bit must use
 #: the same thread count (1 and 2 threads give different last bits on some CPUs), whatever the cores and
@@ -47,13 +47,7 @@ def _finish(process: subprocess.Popen[str], timeout: float = 150) -> tuple[int, 
     return process.returncode, stdout, stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _job_id_with_a_free_port() -> str:
+def _job_id_with_afree_port() -> str:
     """A SLURM-style job id whose derived port (15000 + its last four digits) is free right now."""
     for job in range(4242, 10000, 97):
         with socket.socket() as probe:
@@ -198,7 +192,7 @@ def _summary(stdout: str) -> dict[str, Any]:
 @pytest.mark.timeout(240)
 def test_two_agents_on_one_machine_train_like_one_node(reference: dict[str, Any]) -> None:
     """`ddpkit run --nnodes 2 --node-rank {0,1} --rdzv-endpoint 127.0.0.1:PORT`, loopback only."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     agents = [
         _python(
             "-m",
@@ -232,7 +226,7 @@ def _scheduler_tasks(variables: list[dict[str, str]], *args: str) -> list[tuple[
 
 @pytest.mark.timeout(240)
 def test_srun_style_tasks_run_a_module_under_ddpkit_run_without_spawning(reference: dict[str, Any]) -> None:
-    job = _job_id_with_a_free_port()
+    job = _job_id_with_afree_port()
     tasks = [
         {
             "SLURM_PROCID": str(rank),
@@ -253,7 +247,7 @@ def test_srun_style_tasks_run_a_module_under_ddpkit_run_without_spawning(referen
 
 @pytest.mark.timeout(240)
 def test_mpirun_style_tasks_run_the_train_loop_demo_without_spawning() -> None:
-    job = _job_id_with_a_free_port()
+    job = _job_id_with_afree_port()
     tasks = [
         {
             "OMPI_COMM_WORLD_RANK": str(rank),
@@ -302,7 +296,7 @@ def test_doctor_diagnoses_a_taken_port_and_a_missing_node() -> None:
         )
     assert status == 1
     assert f"port {port} on 127.0.0.1 is taken by another program" in stderr
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     status, _, stderr = _finish(
         _python(

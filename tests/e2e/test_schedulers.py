@@ -20,18 +20,10 @@ import pytest
 import torch
 
 from ddpkit._secret import write_secret_file
-from tests.helpers import holds_within, job_environment
+from tests.helpers import free_port, holds_within, job_environment
 from tests.support.guides import ROOT, _guide_job_script, _guide_mpirun_line
 
 DDPKIT = [sys.executable, "-m", "ddpkit"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _listens(host: str, port: int) -> bool:
@@ -127,7 +119,7 @@ def _fault_tolerance_guides_job(
         "--max-restarts 3": restarts,
         "~/.ddpkit-secret": str(secret),
         "examples/fault_tolerant.py": trainloop,
-        "29510": str(_free_port()),  # the guide's port (each place), which an earlier job's lighthouse may hold
+        "29510": str(free_port()),  # the guide's port (each place), which an earlier job's lighthouse may hold
         "#SBATCH --gpus-per-node=4\n": "".join(f"{line}\n" for line in [*lines, "export OMP_NUM_THREADS=1"]),
     }  # fmt: skip
     for old, new in changes.items():
@@ -448,7 +440,7 @@ def test_the_fault_tolerance_guides_mpirun_line_loses_a_node_and_the_other_finis
     ssh.chmod(0o755)
     secret = tmp_path / "secret"
     write_secret_file(str(secret))
-    line, port = _guide_mpirun_line(), _free_port()
+    line, port = _guide_mpirun_line(), free_port()
     changes = {
         "node001,node002": "ompi-a,ompi-b",  # no /etc/hosts entries: Open MPI takes them for other machines
         "node001:29510": f"127.0.0.1:{port}",  # both "nodes" share this machine's loopback

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel
 
 from ddpkit import DDPPlugin, LocalEnvironment, is_distributed, move_data_to_device, unwrap_model
+from tests.helpers import free_port
 
 # --- move_data_to_device and unwrap_model (no processes) -----------------------------------------------
 
@@ -98,7 +99,7 @@ def test_single_process_helpers() -> None:
 
 def test_init_ddp_connection_sets_the_variables_and_a_group() -> None:
     plugin = DDPPlugin()
-    environment = LocalEnvironment({"MASTER_PORT": str(_free_port())})
+    environment = LocalEnvironment({"MASTER_PORT": str(free_port())})
 
     class Trainer:
         on_gpu = False
@@ -110,12 +111,6 @@ def test_init_ddp_connection_sets_the_variables_and_a_group() -> None:
     assert os.environ["MASTER_PORT"] == str(environment.master_port())
     plugin.init_ddp_connection(None, environment, 0, 1)  # idempotent
     assert plugin.data_parallel_group is dist.group.WORLD
-
-
-def _free_port() -> int:
-    from ddpkit.environments import find_free_port
-
-    return find_free_port()
 
 
 # --- with a process group (pool) --------------------------------------------------------------------------
