@@ -144,10 +144,11 @@ class _SettledForkContext(multiprocessing.context.ForkContext):
 SETTLED_FORK = _SettledForkContext()
 
 
-def job_environment() -> dict[str, str]:
+def job_environment(*also: str) -> dict[str, str]:
     """This shell's environment for a job a test starts (srun, mpirun, torchrun, ...): without what the test
-    session set (pytest's, ddpkit's, a process group's), Open MPI allowed to run as root (as CI does)."""
-    drop = ("DDPKIT_", "PYTEST_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "OMPI_", "PMI")
+    session set (pytest's, ddpkit's, a process group's) and the variables beginning with ``also``, Open MPI
+    allowed to run as root (as CI does)."""
+    drop = ("DDPKIT_", "PYTEST_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_", "OMPI_", "PMI", *also)
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     return env

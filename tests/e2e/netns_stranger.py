@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit._secret import write_secret_file
+from tests.helpers import job_environment
 
 #: The watchdog's deadline (seconds): the real hang is reported this long after it starts.
 DEADLINE = 4
@@ -116,7 +117,7 @@ def main(mode: str, out: Path) -> None:
     write_secret_file(str(secret))
     script = out / "job.py"
     script.write_text(_SCRIPT)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("DDPKIT_", "MASTER_", "TORCH"))}
+    env = job_environment("TORCH")
     env.update(PYTHONUNBUFFERED="1", DDPKIT_HANG_REPORT_DIR=str(out))
     command = [sys.executable, "-m", "ddpkit", "run", "-n", "2", "--secret-file", str(secret), "--timeout",
                str(DEADLINE), str(script), str(out), mode]  # fmt: skip
@@ -183,7 +184,7 @@ def relayed(out: Path) -> None:
     threading.Thread(target=_relay, args=(listener, relayed), daemon=True).start()
     subprocess.run(["iptables", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-s", "127.0.0.1", "-d", "127.0.0.1",
                     "-j", "DNAT", "--to-destination", f"{RELAY}:{RELAY_PORT}"], check=True)  # fmt: skip
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("DDPKIT_", "MASTER_", "TORCH"))}
+    env = job_environment("TORCH")
     env.update(PYTHONUNBUFFERED="1", DDPKIT_PROOF_TIMEOUT="10")
     command = [sys.executable, "-m", "ddpkit", "run", "-n", "2", "--secret-file", str(secret), str(script)]
     started = time.monotonic()
@@ -248,7 +249,7 @@ def fault_tolerant(out: Path) -> None:
     # A rule that does nothing, from the start: the kernel then tracks every connection of the job with its
     # (absent) translation, so that the relay's rule, added later, takes only the connections made after it.
     subprocess.run(["iptables", "-t", "nat", "-A", "OUTPUT", "-d", "127.0.0.3", "-j", "ACCEPT"], check=True)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("DDPKIT_", "MASTER_", "TORCH"))}
+    env = job_environment("TORCH")
     env.update(OMP_NUM_THREADS="1", RUST_LOG="warn", PYTHONUNBUFFERED="1")
     command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", "2", "--secret-file", str(secret),
                "-m", "tests.e2e.ft_trainloop", "-", "-", str(out), "0", "0.4"]  # fmt: skip
@@ -361,7 +362,7 @@ def replayed(out: Path) -> None:
 
     script = out / "task.py"
     script.write_text(_TASK)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("DDPKIT_", "MASTER_", "TORCH"))}
+    env = job_environment("TORCH")
     env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(REPLAY_PORT), GLOO_SOCKET_IFNAME="lo",
                DDPKIT_JOB_SECRET=secrets.token_hex(32), DDPKIT_PROOF_TIMEOUT="5", DDPKIT_HANG_TIMEOUT="0")  # fmt: skip
 

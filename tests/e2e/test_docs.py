@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit._secret import write_secret_file
-from tests.helpers import free_port
+from tests.helpers import free_port, job_environment
 from tests.support.guides import RUNS, python_blocks, shell_blocks
 
 ROOT = Path(__file__).parents[2]
@@ -42,7 +42,7 @@ def _run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.Complet
 
 def _clean_env() -> dict[str, str]:
     """A user's environment: no pytest worker variables, nothing ddpkit set in this process."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("DDPKIT_", "PYTEST_", "RANK", "MASTER_"))}
+    return job_environment()
 
 
 @pytest.mark.parametrize("block", python_blocks(), ids=_block_id)

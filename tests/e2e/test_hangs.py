@@ -26,7 +26,7 @@ import ddpkit
 from ddpkit import HangError, TrainLoop, WorkerFailedError
 from ddpkit.examples.demo import build_model
 from ddpkit.examples.digits import digits_datasets
-from tests.helpers import alive
+from tests.helpers import alive, job_environment
 
 DEADLINE = 3.0
 HERE = Path(__file__)
@@ -393,7 +393,7 @@ def test_the_report_names_the_users_script_from_a_wheel_through_launch_and_from_
     stuck line, no ddpkit frame is marked as the user's, and ddpkit's files are shown short."""
     script = tmp_path / "user_job.py"
     script.write_text(_USER_SCRIPT)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("DDPKIT_", "PYTEST_", "RANK"))}
+    env = job_environment()
     if install == "wheel":
         wheels, site = tmp_path / "wheels", tmp_path / "site"
         pip = [sys.executable, "-m", "pip"]

@@ -7,7 +7,6 @@ tests/ranks/test_nobody_else_joins.py.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import JOB_SECRET, in_a_namespace
+from tests.helpers import JOB_SECRET, in_a_namespace, job_environment
 
 # --- every group proves its members --------------------------------------------------------------
 
@@ -68,7 +67,7 @@ def test_a_stranger_that_takes_a_rank_in_the_default_group_is_refused_before_the
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("DDPKIT_", "MASTER_"))}
+    env = job_environment()
     env["GLOO_SOCKET_IFNAME"] = "lo"
     env["DDPKIT_PROOF_TIMEOUT"] = "5"
     honest_env = {**env, "DDPKIT_JOB_SECRET": JOB_SECRET}
