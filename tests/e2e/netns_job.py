@@ -48,8 +48,10 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 info = {key: os.environ[key] for key in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
 info["pid"] = os.getpid()
-with open(os.path.join(sys.argv[1], f"worker-{dist.get_rank()}.json"), "w") as out:
+path = os.path.join(sys.argv[1], f"worker-{dist.get_rank()}.json")
+with open(path + ".tmp", "w") as out:  # renamed when written: the driver reads it as soon as it is there
     json.dump(info, out)
+os.replace(path + ".tmp", path)
 for _ in range(600):  # until the driver says stop (every rank stops at the same step)
     flag = torch.tensor([float(os.path.exists(os.path.join(sys.argv[1], "stop")))])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -74,8 +76,10 @@ except Exception as exc:
     raise
 value = torch.tensor([2.0])
 dist.all_reduce(value)
-with open(os.path.join(sys.argv[1], f"worker-{dist.get_rank()}.json"), "w") as out:
+path = os.path.join(sys.argv[1], f"worker-{dist.get_rank()}.json")
+with open(path + ".tmp", "w") as out:  # renamed when written: the driver reads it as soon as it is there
     json.dump({"sum": value.item()}, out)
+os.replace(path + ".tmp", path)
 """
 
 #: The stranger's side of ``hijack`` and ``takeover``: torch's own store and gloo, as any program could use them.

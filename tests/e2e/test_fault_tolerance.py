@@ -558,7 +558,6 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit import Callback, TrainLoop
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.fault_tolerance import TorchFT
-from tests.support.fault_tolerance import NEXT_COMMIT_S
 
 class Digits(Dataset):  # defined in the script, as users do
     def __init__(self, tensors):
