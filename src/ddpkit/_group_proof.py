@@ -104,9 +104,12 @@ def prove_members(
         dist.all_gather(gathered, value, group=group)
         return gathered
 
-    check_members(all_gather, rank, size, context, secret, timeout=timeout, names=found, device=device, channel=seeing)
-    if restore is not None:
-        dist.distributed_c10d._set_pg_timeout(restore, group)
+    try:
+        check_members(all_gather, rank, size, context, secret, timeout=timeout, names=found, device=device,
+                      channel=seeing)  # fmt: skip
+    finally:  # a refused group keeps its own timeout too, for whatever its caller does with it next
+        if restore is not None:
+            dist.distributed_c10d._set_pg_timeout(restore, group)
 
 
 def check_members(

@@ -57,3 +57,27 @@ def _tensor_is_untouched() -> float:
 
 def test_the_pools_own_group_still_works_after_the_proofs() -> None:
     assert run_parallel(_tensor_is_untouched) == [1.0, 1.0]
+
+
+def _timeout_after_a_refusal(secrets: list[bytes]) -> tuple[str, float | None]:
+    """A new group with a 123 s timeout proves with this rank's secret; what happened, and its timeout after."""
+    from datetime import timedelta
+
+    from ddpkit._group_proof import _timeout_of
+
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=123))
+    try:
+        prove_members(group, "job", secrets[rank], timeout=10)
+        outcome = "proved"
+    except GroupProofError:
+        outcome = "refused"
+    kept = _timeout_of(group)
+    dist.destroy_process_group(group)
+    return outcome, kept.total_seconds() if kept is not None else None
+
+
+def test_a_group_keeps_its_own_timeout_after_its_proof_whether_it_passed_or_not() -> None:
+    """The proof runs under its own (short) timeout, and gives the group its own back after, refused or not."""
+    assert run_parallel(_timeout_after_a_refusal, [SECRET, SECRET]) == [("proved", 123.0)] * 2
+    assert run_parallel(_timeout_after_a_refusal, [SECRET, b"another"]) == [("refused", 123.0)] * 2
