@@ -525,3 +525,21 @@ def test_a_quorum_that_does_not_form_in_time_is_asked_for_again_before_the_group
     with pytest.raises(TimeoutError, match="Timeout expired"):
         _RecordingClient(never, [], "g0")._quorum(timeout=1)
     assert never.asked == QUORUM_ATTEMPTS
+
+
+def test_fit_distributed_on_a_node_whose_group_came_back_too_late_says_so_instead_of_a_failed_exit_status(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """This node's group ended with status 0 and no result (started again after the other groups finished, it
+    trained nothing): the caller is told that, not that a group "exited with status 0"."""
+    from ddpkit import WorkerFailedError
+    from ddpkit.training import _replica_groups
+
+    monkeypatch.setattr(_replica_groups, "run_node_group", lambda *args, **kwargs: 0)
+    loop = _digits_loop(fault_tolerance=TorchFT(replica_id="node-b"), global_batch_size=64)
+    arguments = {"grad_accumulation": 1, "backend": None, "timeout": None, "nnodes": 2,
+                 "rdzv_endpoint": "10.0.0.1:29510", "rdzv_conf": None, "start_method": "spawn"}  # fmt: skip
+    with pytest.raises(WorkerFailedError, match="started again after the job's other groups had finished, it "
+                       "trained nothing") as caught:  # fmt: skip
+        _replica_groups.fit_replica_groups(loop, TorchFT(replica_id="node-b"), 1, 2, None, 0, **arguments)
+    assert "exited with status 0" not in str(caught.value)

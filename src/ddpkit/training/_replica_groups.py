@@ -81,6 +81,11 @@ def fit_replica_groups(
             )  # fmt: skip
         finished = sorted(directory.glob("result-*.pt"), key=lambda path: path.stat().st_mtime_ns)  # first first
         failed = [(group, status) for group, status in enumerate(statuses) if status != 0]
+        if not failed and not finished:  # every group ended well, none with a result: it came back too late
+            raise WorkerFailedError(
+                0, 0, "this node's replica group ended without a result: started again after the job's other "
+                "groups had finished, it trained nothing (their callers, on the other nodes, have the result)",
+            )  # fmt: skip
         if failed or not finished:
             group, status = failed[0] if failed else (0, statuses[0])
             name = f"group-{group}" if nodes == 1 else "of this node"
