@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
 from ddpkit._stores import LoopbackHostError
 from ddpkit.environments import CLUSTER_ENV_VARIABLE
+from ddpkit.environments.replica_group import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
 from ddpkit.fault_tolerance._record import RECORD_VARIABLE, job_record
 from ddpkit.fault_tolerance._replica import local_address
-from ddpkit.fault_tolerance._settings import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
 from ddpkit.jobs._agent import default_nprocs
 

@@ -8,13 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ddpkit.environments.replica_group import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.fault_tolerance._replica import ReplicaGroup
-
-#: torchft's own variables: the lighthouse's address, and this replica group's id (its examples' name).
-LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
-REPLICA_ID_VARIABLE = "REPLICA_GROUP_ID"
-#: ddpkit's: how many replica groups the job starts (``ddpkit run --fault-tolerance`` and ``fit_distributed`` set it).
-GROUPS_VARIABLE = "DDPKIT_REPLICA_GROUPS"
 
 
 @dataclass(frozen=True)

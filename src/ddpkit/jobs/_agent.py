@@ -50,8 +50,8 @@ from ddpkit._secret import SECRET_VARIABLE, export_job_secret, job_secret, new_j
 from ddpkit._stores import hosting_address, release_store, route_address, serve_store
 from ddpkit.environments import is_loopback
 from ddpkit.environments.base import check_resolves
+from ddpkit.environments.replica_group import LIGHTHOUSE_VARIABLE
 from ddpkit.errors import ClusterEnvironmentError, RendezvousFailedError
-from ddpkit.fault_tolerance._settings import LIGHTHOUSE_VARIABLE
 from ddpkit.hangs._watchdog import TIMEOUT_VARIABLE
 from ddpkit.jobs import _rendezvous
 from ddpkit.jobs._agent_log import agent_log

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit._failures import earliest, hang_record, read_records
-from ddpkit.fault_tolerance._settings import REPLICA_ID_VARIABLE
+from ddpkit.environments.replica_group import REPLICA_ID_VARIABLE
 
 __all__ = ["VERBOSE_VARIABLE", "AgentLog", "agent_log", "is_verbose"]
 

@@ -29,7 +29,7 @@ import torch
 from ddpkit._failures import StopWithoutRestart
 from ddpkit.collectives import sync_ddp
 from ddpkit.environments import detect_environment
-from ddpkit.fault_tolerance._settings import LIGHTHOUSE_VARIABLE
+from ddpkit.environments.replica_group import LIGHTHOUSE_VARIABLE
 from ddpkit.process_group import get_rank
 
 __all__ = ["Preempted", "PreemptionHandler"]

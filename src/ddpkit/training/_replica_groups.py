@@ -31,10 +31,10 @@ import torch
 
 from ddpkit.callbacks import Callback
 from ddpkit.checkpoint import rng_state, set_rng_state
+from ddpkit.environments.replica_group import REPLICA_ID_VARIABLE
 from ddpkit.errors import WorkerFailedError
 from ddpkit.fault_tolerance import TorchFT
 from ddpkit.fault_tolerance._job import run_node_group, run_replica_groups
-from ddpkit.fault_tolerance._settings import REPLICA_ID_VARIABLE
 from ddpkit.jobs.launch import scheduler_environment
 from ddpkit.training._launched import Fits, Result
 from ddpkit.training._state import RunState
