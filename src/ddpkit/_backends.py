@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["KNOWN_BACKENDS", "backend_threads", "pin_gloo_to_loopback", "resolve_backend"]
+__all__ = ["KNOWN_BACKENDS", "backend_threads", "default_nprocs", "pin_gloo_to_loopback", "resolve_backend"]
 
 #: Seconds the main thread sleeps at exit, with the GIL released, while gloo's worker threads are alive.
 EXIT_GRACE_S = 0.1
@@ -106,3 +106,8 @@ def pin_gloo_to_loopback() -> None:
     names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
     if names:
         os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+
+
+def default_nprocs() -> int:
+    """Processes per node when none is asked for: one per CUDA device, or 1."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1

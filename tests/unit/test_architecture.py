@@ -56,6 +56,20 @@ def test_imports_only_go_down() -> None:
     assert upward == [], "an import points to a higher layer"
 
 
+def test_packages_of_one_layer_import_each_other_one_way_at_most() -> None:
+    """Two packages of one layer may not import each other (``jobs`` and ``fault_tolerance`` once did, for a
+    variable's name): what both need lives below both."""
+    layers = _layers()
+    arrows: set[tuple[str, str]] = set()
+    for module, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpkit."):
+                source, target = _top(module), _top(node.module)
+                if source != target and layers.get(source) == layers.get(target):
+                    arrows.add((source, target))
+    assert sorted((a, b) for a, b in arrows if (b, a) in arrows) == []
+
+
 def _imports_within_packages() -> dict[str, set[str]]:
     """``{module: modules of its own package that it imports}``: every ``from ddpkit... import``, those under
     ``TYPE_CHECKING`` and inside functions included (a package's ``__init__`` left out: it exports)."""

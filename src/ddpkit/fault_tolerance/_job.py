@@ -20,6 +20,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 
+from ddpkit._backends import default_nprocs
 from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
 from ddpkit._stores import LoopbackHostError
 from ddpkit.environments import CLUSTER_ENV_VARIABLE
@@ -29,7 +30,6 @@ from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
 from ddpkit.fault_tolerance._record import RECORD_VARIABLE, job_record
 from ddpkit.fault_tolerance._replica import local_address
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
-from ddpkit.jobs._agent import default_nprocs
 
 __all__ = ["run_node_group", "run_replica_groups", "serve_until_interrupted"]
 

@@ -36,8 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from ddpkit._backends import default_nprocs
 from ddpkit._failures import (
     FAILURE_DIR_VARIABLE,
     StopWithoutRestart,
@@ -93,11 +92,6 @@ _AGENT_ENV = (
     SECRET_VARIABLE,
 )
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
-
-
-def default_nprocs() -> int:
-    """Workers per node when none is asked for: the CUDA devices, or 1."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
 def check_counts(nprocs: int, max_restarts: int) -> None:
