@@ -502,7 +502,7 @@ def test_a_quorum_that_does_not_form_in_time_is_asked_for_again_before_the_group
     group asks its manager again, up to QUORUM_ATTEMPTS times, saying so, and records the quorum that came."""
     from types import SimpleNamespace
 
-    from ddpkit.fault_tolerance._replica import QUORUM_ATTEMPTS, _RecordingClient
+    from ddpkit.fault_tolerance._manager import QUORUM_ATTEMPTS, _RecordingClient
 
     class Slow:
         def __init__(self, timeouts: int) -> None:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -24,14 +22,12 @@ from ddpkit.connection import group_context
 from ddpkit.environments.base import is_loopback
 from ddpkit.errors import DDPKitError, RendezvousFailedError
 from ddpkit.fault_tolerance._healing import TensorTransport
+from ddpkit.fault_tolerance._manager import client_recording, manager_server_on, signed_group_store
 from ddpkit.fault_tolerance._quorum_proof import claim_store, proven_gloo
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
 from ddpkit.process_group import get_rank, get_world_size
 
-#: torchft's manager builds its server inside ``Manager.__init__`` with ``[::]`` (every interface) as the
-#: bind address; ddpkit swaps the class it builds for one call. The lock keeps two constructions apart.
 log = logging.getLogger(__name__)
-_CONSTRUCTION = threading.Lock()
 _warned_without_secret = False
 
 
@@ -132,9 +128,9 @@ class ReplicaGroup:
         signed: list[SignedStore] = []
         try:
             with (
-                _manager_server_on(managers, local),
-                _client_recording(managers, self._quorum_ids, replica_id),
-                _signed_group_store(managers, secret, f"torchft group store|{store[0]}:{store[1]}|{group_context()}",
+                manager_server_on(managers, local),
+                client_recording(managers, self._quorum_ids, replica_id),
+                signed_group_store(managers, secret, f"torchft group store|{store[0]}:{store[1]}|{group_context()}",
                                     signed),
             ):  # fmt: skip
                 self._manager = torchft.Manager(
@@ -316,100 +312,6 @@ def local_address(lighthouse: str) -> str:
     return address
 
 
-@contextmanager
-def _manager_server_on(managers: Any, address: str) -> Iterator[None]:
-    """Within the block, torchft's ``Manager`` builds its server bound to ``address`` (on the port it chose:
-    ``TORCHFT_MANAGER_PORT``, else a free one). Under :data:`_CONSTRUCTION` from before torchft's class is read:
-    a block that read it while another's replacement was in place would put that one back for good."""
-    with _CONSTRUCTION:
-        original = managers.ManagerServer
-
-        def bound(*args: Any, **kwargs: Any) -> Any:
-            port = str(kwargs.get("bind", ":0")).rpartition(":")[2] or "0"
-            return original(*args, **{**kwargs, "bind": f"{bracketed(address)}:{port}"})
-
-        managers.ManagerServer = bound
-        try:
-            yield
-        finally:
-            managers.ManagerServer = original
-
-
-@contextmanager
-def _signed_group_store(managers: Any, secret: bytes | None, context: str, made: list[SignedStore]) -> Iterator[None]:
-    """Within the block (under :data:`_CONSTRUCTION`), torchft's ``Manager`` reaches the group's store through a
-    :class:`~ddpkit._group_store.SignedStore` for ``context`` (appended to ``made``) when there is a secret: the
-    manager server's address and the group's replica id that its rank 0 writes there, and every rank reads, are
-    signed, so that nobody who reaches the store can point the group's ranks to a manager of its own."""
-    if secret is None:
-        yield
-        return
-    original = managers.TCPStore
-
-    def signed(*args: Any, **kwargs: Any) -> SignedStore:
-        store = SignedStore(original(*args, **kwargs), secret, context, lambda key: f"the group's {key!r}")
-        made.append(store)
-        return store
-
-    managers.TCPStore = signed
-    try:
-        yield
-    finally:
-        managers.TCPStore = original
-
-
 def group_name(replica_id: str) -> str:
     """A quorum member's replica id without the ``:uuid`` that torchft appends for each process."""
     return replica_id.rpartition(":")[0] or replica_id
-
-
-#: How many times a group asks for one step's quorum when none forms within ``quorum_timeout``.
-QUORUM_ATTEMPTS = 3
-
-
-class _RecordingClient:
-    """torchft's ``ManagerClient``, keeping the replica ids of each quorum it receives (torchft's manager keeps
-    them to itself) in ``ids``, and asking again (up to :data:`QUORUM_ATTEMPTS` times) when no quorum formed
-    within its timeout: torchft's manager would raise that from the next step's ``start_quorum`` and the group's
-    process would end (seen while a stranger spoke in a group's name and the quorums were slow to form)."""
-
-    def __init__(self, client: Any, ids: list[str], replica_id: str) -> None:
-        self._client, self._ids, self._replica_id = client, ids, replica_id
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        for attempt in range(1, QUORUM_ATTEMPTS + 1):
-            try:
-                quorum = self._client._quorum(*args, **kwargs)
-                break
-            except TimeoutError as error:
-                if attempt == QUORUM_ATTEMPTS:
-                    raise
-                log.warning(
-                    "replica group %s: no quorum formed within quorum_timeout (%s); asking again (%d of %d)",
-                    self._replica_id, str(error).splitlines()[0] if str(error) else "TimeoutError", attempt + 1,
-                    QUORUM_ATTEMPTS,
-                )  # fmt: skip
-        self._ids[:] = list(quorum.replica_ids)
-        return quorum
-
-    def _checkpoint_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        return self._client._checkpoint_metadata(*args, **kwargs)
-
-    def should_commit(self, *args: Any, **kwargs: Any) -> Any:
-        return self._client.should_commit(*args, **kwargs)
-
-
-@contextmanager
-def _client_recording(managers: Any, ids: list[str], replica_id: str) -> Iterator[None]:
-    """Within the block (under :data:`_CONSTRUCTION`), torchft's ``Manager`` gets a client that records the
-    quorums' replica ids into ``ids`` (and asks again for a quorum that did not form in time)."""
-    original = managers.ManagerClient
-
-    def recording(*args: Any, **kwargs: Any) -> _RecordingClient:
-        return _RecordingClient(original(*args, **kwargs), ids, replica_id)
-
-    managers.ManagerClient = recording
-    try:
-        yield
-    finally:
-        managers.ManagerClient = original
