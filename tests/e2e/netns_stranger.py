@@ -275,9 +275,12 @@ def fault_tolerant(out: Path) -> None:
             started = time.time()
             _speak_for_group_0(lighthouse, groups, 1.0)  # a quorum that changes: the groups' gloo group is made anew
             time.sleep(max(0.0, started + ATTACK_S - time.time()))
-            for rule in rules:
-                subprocess.run(["iptables", "-t", "nat", "-D", *rule], check=True)
+            # The relay is on until its rule goes: the time before that rule's removal begins is when it ended (the
+            # kernel drops the rule before iptables returns, 0.3 s later on a loaded machine, so a step may commit
+            # without the relay before a time taken after the removal).
             ended = time.time()
+            for rule in reversed(rules):  # the relay's rule first
+                subprocess.run(["iptables", "-t", "nat", "-D", *rule], check=True)
             # From the first connection through the relay (a quorum's new gloo group) until it stops, no step may
             # commit (one second for a step that was committing as the quorum changed).
             times = [float(entry.rpartition(" at ")[2]) for entry in relayed if " at " in entry]
