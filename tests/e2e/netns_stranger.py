@@ -263,11 +263,15 @@ def fault_tolerant(out: Path) -> None:
             while not all(len(steps([group])) >= 3 for group in groups) and time.monotonic() < deadline:
                 time.sleep(0.2)
             lighthouse = re.findall(r"lighthouse at (http://\S+)", log.read_text())[0]
+            before = set(listening_sockets(descendants(job.pid)))
             result["store"] = _speak_for_group_0(lighthouse, groups)
-            # The servers that listen now (stores, lighthouse, managers, the last quorum's gloo) are left alone: the
-            # relay takes the new connections of the next quorums' gloo groups, to their new listening ports.
+            # The servers (stores, lighthouse, managers) are left alone: the ports that listened before and after the
+            # store's stranger, whose quorums made the groups' gloo groups anew (a port of an earlier gloo group,
+            # closed since, may be a new gloo group's: a rule for it would let that group's connections pass by).
+            # The relay takes the new connections of the next quorums' gloo groups, to their new listening ports.
+            servers = before & set(listening_sockets(descendants(job.pid)))
             rules = [["OUTPUT", "-p", "tcp", "-d", "127.0.0.1", "--dport", str(port), "-j", "RETURN"]
-                     for _, port in listening_sockets(descendants(job.pid))]  # fmt: skip
+                     for _, port in sorted(servers)]  # fmt: skip
             rules.append(["OUTPUT", "-p", "tcp", "-s", "127.0.0.1", "-d", "127.0.0.1", "-j", "DNAT",
                           "--to-destination", f"{RELAY}:{RELAY_PORT}"])  # fmt: skip
             for rule in rules:
