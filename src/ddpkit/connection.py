@@ -14,7 +14,7 @@ import atexit
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,12 @@ from ddpkit._secret import job_secret
 from ddpkit._stores import release_store, serve_store
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback, launched_environment
 from ddpkit.environments.base import check_resolves
+from ddpkit.environments.lightning_shapes import (
+    SupportsClusterEnvironment,
+    SupportsMainAddress,
+    main_address_and_port,
+    optional_int_method,
+)
 from ddpkit.errors import ClusterEnvironmentError, DDPKitError
 from ddpkit.hangs import _watchdog as watchdog
 
@@ -56,34 +62,6 @@ _ensured_group: Any = None
 
 #: torch's shortest default process-group timeout (NCCL's 10 minutes; gloo's is 30).
 _SHORTEST_DEFAULT_TIMEOUT_S = 600
-
-
-class SupportsClusterEnvironment(Protocol):
-    """A cluster environment as Lightning 1.x defines one: ``master_address()`` and ``master_port()`` methods.
-
-    ``global_rank()`` and ``local_rank()`` are used when present.
-    """
-
-    def master_address(self) -> str: ...
-
-    def master_port(self) -> int: ...
-
-    def world_size(self) -> int: ...
-
-
-class SupportsMainAddress(Protocol):
-    """A cluster environment as Lightning 1.6+ and 2.x define one: ``main_address`` and ``main_port`` properties.
-
-    ``global_rank()`` and ``local_rank()`` are used when present.
-    """
-
-    @property
-    def main_address(self) -> str: ...
-
-    @property
-    def main_port(self) -> int: ...
-
-    def world_size(self) -> int: ...
 
 
 def init_dist_connection(
@@ -169,22 +147,8 @@ def init_dist_connection(
         return
 
     env = cluster_environment if cluster_environment is not None else detect_environment()
-    rank = _optional_method(env, "global_rank", global_rank)
-    size = int(env.world_size()) if world_size is None else int(world_size)
-    if rank is None:
-        raise TypeError(f"{type(env).__name__} has no global_rank() method; pass global_rank= to init_dist_connection")
-    if not 0 <= rank < size:
-        raise ValueError(f"global_rank={rank} must be in [0, world_size={size})")
-    local_rank = _optional_method(env, "local_rank", None) or 0
+    rank, size, local_rank = _place(env, global_rank, world_size)
     backend = resolve_backend(torch_distributed_backend, local_rank)
-    if size > 1 and isinstance(env, LocalEnvironment) and env.port_was_chosen:
-        found = f"WORLD_SIZE={size}, RANK={rank}" if world_size is None else f"world_size={size}, rank={rank}"
-        raise ClusterEnvironmentError(
-            f"{found}, but MASTER_PORT is not set, so each process would pick its own port and wait for the "
-            "others forever; set MASTER_ADDR and MASTER_PORT in every process, or start them with `ddpkit run`, "
-            "torchrun or ddpkit.launch()"
-        )
-
     address, port = main_address_and_port(env)
     source = getattr(env, "master_address_source", None)
     check_resolves(address, source() if callable(source) else f"the master address of {type(env).__name__}")
@@ -231,6 +195,33 @@ def init_dist_connection(
         watchdog.count_own_collectives(world.group_name, PROOF_COLLECTIVES if proved else 0)
     if deadline is not None:
         watchdog.start_watchdog(deadline, context=context)
+
+
+def _place(
+    env: SupportsClusterEnvironment | SupportsMainAddress, global_rank: int | None, world_size: int | None
+) -> tuple[int, int, int]:
+    """``(rank, world size, local rank)`` of this process in ``env`` (``global_rank``, ``world_size``: given in
+    its place), checked.
+
+    Raises:
+        TypeError: ``env`` has no ``global_rank()`` and none was given.
+        ValueError: the rank is outside ``[0, world_size)``.
+        ClusterEnvironmentError: several processes, but no ``MASTER_PORT`` they could agree on.
+    """
+    rank = optional_int_method(env, "global_rank", global_rank)
+    size = int(env.world_size()) if world_size is None else int(world_size)
+    if rank is None:
+        raise TypeError(f"{type(env).__name__} has no global_rank() method; pass global_rank= to init_dist_connection")
+    if not 0 <= rank < size:
+        raise ValueError(f"global_rank={rank} must be in [0, world_size={size})")
+    if size > 1 and isinstance(env, LocalEnvironment) and env.port_was_chosen:
+        found = f"WORLD_SIZE={size}, RANK={rank}" if world_size is None else f"world_size={size}, rank={rank}"
+        raise ClusterEnvironmentError(
+            f"{found}, but MASTER_PORT is not set, so each process would pick its own port and wait for the "
+            "others forever; set MASTER_ADDR and MASTER_PORT in every process, or start them with `ddpkit run`, "
+            "torchrun or ddpkit.launch()"
+        )
+    return rank, size, optional_int_method(env, "local_rank", None) or 0
 
 
 def _signed_store(
@@ -375,31 +366,6 @@ def destroy_dist_connection() -> None:
         dist.destroy_process_group()
     release_store(_served_port)
     _served_port = None
-
-
-def main_address_and_port(env: SupportsClusterEnvironment | SupportsMainAddress) -> tuple[str, int]:
-    """A cluster environment's rank-0 address and port: ``master_address()``/``master_port()`` (Lightning 1.x,
-    ddpkit's environments), else the ``main_address``/``main_port`` properties (Lightning 1.6+ and 2.x).
-
-    Raises:
-        TypeError: ``env`` has neither.
-    """
-    if callable(getattr(env, "master_address", None)) and callable(getattr(env, "master_port", None)):
-        return str(env.master_address()), int(env.master_port())  # type: ignore[union-attr]
-    if hasattr(env, "main_address") and hasattr(env, "main_port"):
-        address, port = env.main_address, env.main_port
-        return str(address() if callable(address) else address), int(port() if callable(port) else port)
-    raise TypeError(
-        f"{type(env).__name__} is not a cluster environment: it needs master_address() and master_port() methods "
-        "(Lightning 1.x) or main_address and main_port properties (Lightning 2.x)"
-    )
-
-
-def _optional_method(obj: object, name: str, override: int | None) -> int | None:
-    if override is not None:
-        return int(override)
-    method = getattr(obj, name, None)
-    return int(method()) if callable(method) else None
 
 
 def _check_matches_existing_group(global_rank: int | None, world_size: int | None) -> None:

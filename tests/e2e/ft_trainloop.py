@@ -137,7 +137,7 @@ def restarted() -> bool:
 
 class StepLog(Callback):
     """After each committed step: the indices of its attempt that was committed, one JSON line (and the wait
-    for a restarted group described in the module's docstring)."""
+    for a restarted group described in the module's docstring); each other callback, a line with its epoch."""
 
     def __init__(self, delay: float) -> None:
         self.delay = delay
@@ -145,9 +145,24 @@ class StepLog(Callback):
         paths, at = os.environ.get("FT_WAIT_FOR"), os.environ.get("FT_WAIT_AT")
         self.waits = dict(zip(map(int, at.split(",")), paths.split(","), strict=True)) if paths and at else {}
 
+    @staticmethod
+    def _event(train_loop: Any, name: str) -> None:
+        train_loop.log.write(json.dumps({"event": name, "epoch": train_loop.epoch, "t": time.time()}) + "\n")
+        train_loop.log.flush()
+
+    def on_train_begin(self, train_loop: Any) -> None:
+        self._event(train_loop, "train_begin")
+
     def on_epoch_begin(self, train_loop: Any) -> None:
+        self._event(train_loop, "epoch_begin")
         if self.marker and restarted():  # joined: the manager heartbeats
             Path(self.marker.replace("{group}", os.environ.get("REPLICA_GROUP_ID", ""))).touch()
+
+    def on_epoch_end(self, train_loop: Any) -> None:
+        self._event(train_loop, "epoch_end")
+
+    def on_train_end(self, train_loop: Any) -> None:
+        self._event(train_loop, "train_end")
 
     def on_batch_end(self, train_loop: Any) -> None:
         loop: IndexedLoop = train_loop
@@ -189,6 +204,26 @@ def records(out: Path) -> list[dict[str, Any]]:
 
 def steps(outs: list[Path]) -> list[dict[str, Any]]:
     return [r for out in outs for r in records(out) if "step" in r]
+
+
+def check_callbacks_in_order(out: Path) -> list[tuple[str, int]]:
+    """The callbacks a group that ran to its end logged to ``out`` came in order: ``on_train_begin`` first and
+    ``on_train_end`` last; every step and ``on_epoch_end`` in the epoch of the last ``on_epoch_begin``, each
+    epoch ended once, epochs never going back, the last epoch ended. The events, as ``(name, epoch)``."""
+    events = [(r.get("event", "step"), r["epoch"]) for r in records(out) if "event" in r or "step" in r]
+    assert events[0][0] == "train_begin", events[:3]
+    assert events[-1][0] == "train_end", events[-3:]
+    current, ended = -1, []
+    for name, epoch in events[1:-1]:
+        if name == "epoch_begin":
+            assert epoch >= current, f"{out.name}: epoch {epoch} began after epoch {current}"
+            current = epoch
+        else:
+            assert epoch == current, f"{out.name}: {name} in epoch {epoch}, but epoch {current} began last"
+            assert name != "epoch_end" or epoch not in ended, f"{out.name}: epoch {epoch} ended twice"
+            ended += [epoch] if name == "epoch_end" else []
+    assert ended[-1:] == [EPOCHS - 1], f"{out.name}: the epochs ended were {ended}"
+    return events
 
 
 def check_against_one_process(outs: list[Path], finals: list[Path], count: bool = True) -> None:

@@ -25,6 +25,7 @@ from ddpkit.training import TrainState
 from tests.e2e.ft_trainloop import (
     check_against_one_process as _check_every_item_once_per_epoch_and_the_weights_of_one_process,
 )
+from tests.e2e.ft_trainloop import check_callbacks_in_order as _check_callbacks_in_order
 from tests.e2e.ft_trainloop import records as _records
 from tests.e2e.ft_trainloop import steps as _steps
 from tests.helpers import JOB_SECRET, free_port, in_a_namespace, listening_sockets, refused, wait_for
@@ -194,6 +195,15 @@ def test_a_trainloop_replica_killed_mid_epoch_costs_a_step_and_the_run_ends_as_o
     back = _steps([again])
     assert back[0]["step"] > 30, "the restarted group started over instead of taking its peers' state"
     assert any(r["groups"] == 3 and r["items"] for r in back), "the restarted group never trained again"
+    # The restarted group began epoch 0, took its peer's state in the middle of a later epoch, and began that one
+    # before its first step; every group's callbacks came in order.
+    events = _check_callbacks_in_order(again)
+    first_step = next(i for i, (name, _) in enumerate(events) if name == "step")
+    assert events[first_step - 1] == ("epoch_begin", back[0]["epoch"]), events[:4]
+    assert back[0]["epoch"] > 0, "the restarted group's first step was in epoch 0"
+    for out in outs[:2]:
+        assert [e for e in _check_callbacks_in_order(out) if e[0] != "step"][:2] == [("train_begin", 0),
+                                                                                  ("epoch_begin", 0)]  # fmt: skip
     _check_every_item_once_per_epoch_and_the_weights_of_one_process([*outs, again], [*outs[:2], again])
 
 

@@ -26,8 +26,8 @@ torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not i
 def test_a_fault_tolerant_trainloop_loads_ahead_with_the_training_loaders_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One group alone, in this process, with num_workers=2 and 0: no warning, every step's share but each
-    epoch's first comes from the workers, and the same weights to the bit."""
+    """One group alone, in this process, with num_workers=2 and 0: no warning, every step's share comes through
+    the training loader rebuilt, as planned ahead but each epoch's first, and the same weights to the bit."""
     import warnings
     from collections import Counter
 
@@ -35,18 +35,19 @@ def test_a_fault_tolerant_trainloop_loads_ahead_with_the_training_loaders_worker
 
     from ddpkit._secret import SECRET_VARIABLE, new_job_secret
     from ddpkit.examples.digits import digits_datasets
-    from ddpkit.training._ahead import AheadLoader
+    from ddpkit.training._ahead import ShareLoader
 
     monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
-    counts: Counter[str] = Counter()
-    original = AheadLoader.share
+    counts: Counter[tuple[int, str]] = Counter()
+    original = ShareLoader.share
 
-    def counted(self: AheadLoader, *args: int) -> list[Any] | None:
+    def counted(self: ShareLoader, *args: int) -> Any:
+        started = self.here
         loaded = original(self, *args)
-        counts["workers" if loaded is not None else "here"] += 1
+        counts[int(self.workers), "planned again" if self.here > started else "ahead"] += 1
         return loaded
 
-    monkeypatch.setattr(AheadLoader, "share", counted)
+    monkeypatch.setattr(ShareLoader, "share", counted)
     train_set, _ = digits_datasets(seed=0)
     weights = {}
     for workers in (0, 2):
@@ -58,7 +59,9 @@ def test_a_fault_tolerant_trainloop_loads_ahead_with_the_training_loaders_worker
                                 global_batch_size=32)  # fmt: skip
             loop.fit(2)
         weights[workers] = loop.model.state_dict()
-    assert counts == {"here": 2, "workers": 14}, "8 steps an epoch: its first loaded here, then ahead"
+    assert counts == {(workers, kind): n for workers in (0, 1) for kind, n in (("planned again", 2), ("ahead", 14))}, (
+        "8 steps an epoch: its first planned then, the others ahead"
+    )
     assert all(torch.equal(weights[0][name], value) for name, value in weights[2].items())
 
 
@@ -98,3 +101,29 @@ def test_a_replica_group_of_two_ranks_trains_as_one_process_and_writes_its_check
         assert float((weights[name] - value).abs().max()) < 1e-5, name
     saved = TrainState.load(tmp_path / "last.pt")
     assert (saved.epoch, saved.global_step, saved.position) == (2, 16, 0)
+
+
+def _fit_with_zero_under_fault_tolerance() -> str:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from tests.builders import digits_loop
+
+    def zero(parameters: Any) -> torch.optim.Optimizer:
+        return ZeroRedundancyOptimizer(parameters, optimizer_class=torch.optim.SGD, lr=0.1)
+
+    loop = digits_loop(16, samples=64, optimizer=zero, global_batch_size=32,
+                       fault_tolerance=TorchFT("http://127.0.0.1:9", "pair", timeout=10))  # fmt: skip
+    with pytest.raises(TypeError) as refused:
+        loop.fit(1)
+    return str(refused.value)
+
+
+def test_a_replica_group_refuses_a_zero_redundancy_optimizer_on_every_rank_naming_the_way_out() -> None:
+    """A recovering group takes a peer's state while the peer trains, with no collective: a
+    ZeroRedundancyOptimizer (its state sharded over the group's ranks) is refused before the group joins."""
+    from ddpkit.testing import run_parallel
+
+    messages = run_parallel(_fit_with_zero_under_fault_tolerance, timeout=60)
+    for message in messages:
+        assert "ZeroRedundancyOptimizer" in message, message
+        assert "Use the optimizer it wraps" in message, message

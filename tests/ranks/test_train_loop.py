@@ -235,7 +235,8 @@ def test_only_rank_zero_prints_and_shows_progress() -> None:
     (out0, err0), (out1, err1) = run_parallel(_quiet_ranks, 64, timeout=60)
     assert out0.count("epoch  1/1  train loss") == 1
     assert "validation accuracy" in out0
-    assert "batch" in err0, "rank 0's progress bar"
+    assert "/1438 [" in err0, "rank 0's progress bar of the epoch's items"
+    assert "item/s" in err0
     assert (out1, err1) == ("", "")
 
 

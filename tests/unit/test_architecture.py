@@ -168,3 +168,64 @@ def test_no_test_module_imports_another_test_module() -> None:
             if any(name.startswith("tests.") and name.rpartition(".")[2].startswith("test_") for name in names):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert found == []
+
+
+def _calls(tree: ast.AST, name: str) -> list[int]:
+    """The lines where ``tree`` calls a function or method named ``name``."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) == name or getattr(node.func, "id", None) == name)
+    ]
+
+
+def _names(*nodes: ast.AST) -> list[str]:
+    """The names and attribute names in ``nodes`` (``step.batches()`` -> ``step``, ``batches``)."""
+    return [
+        getattr(node, "id", None) or getattr(node, "attr", "")
+        for root in nodes for node in ast.walk(root) if isinstance(node, ast.Name | ast.Attribute)
+    ]  # fmt: skip
+
+
+def test_training_has_one_batch_body_one_epoch_loop_one_progress_bar_and_one_place_that_picks_the_driver() -> None:
+    """The runner (training/_run.py) owns the per-batch body, the epochs and the bar; the step drivers (DDP's,
+    fault tolerance's) only hand it steps. So in training/: ``training_step`` and the backward are called in one
+    function, a ``for`` statement goes over a step's batches once, epochs begin (``begin_epoch``,
+    ``on_epoch_begin``) only in the runner, one ``tqdm`` bar is made, and ``fault_tolerance is ...`` is asked
+    only where the loop checks its arguments and where ``fit`` picks its driver."""
+    sources = {path.name: path.read_text() for path in sorted((PACKAGE / "training").glob("*.py"))}
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    found: dict[str, list[str]] = {}
+    for name, tree in trees.items():
+        for what in ("training_step", "backward", "begin_epoch", "tqdm"):
+            found.setdefault(what, []).extend(f"{name}:{line}" for line in _calls(tree, what))
+        found.setdefault("on_epoch_begin", []).extend(
+            f"{name}:{node.lineno}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value == "on_epoch_begin"
+        )  # fmt: skip
+        found.setdefault("for over batches", []).extend(
+            f"{name}:{node.lineno}" for node in ast.walk(tree)
+            if isinstance(node, ast.For) and any("batch" in word for word in _names(node.iter, node.target))
+            and name != "_evaluation.py"  # predictions, not training
+        )  # fmt: skip
+        for function in ast.walk(tree):
+            if isinstance(function, ast.FunctionDef):
+                asked = [
+                    node.lineno for node in ast.walk(function)
+                    if isinstance(node, ast.Compare) and "fault_tolerance" in ast.unparse(node.left)
+                    and isinstance(node.ops[0], ast.Is | ast.IsNot)
+                ]  # fmt: skip
+                if asked:
+                    found.setdefault("fault_tolerance is", []).append(f"{name}:{function.name}")
+    runner = [line for line in found["training_step"] if line.startswith("_run.py:")]
+    assert found["training_step"] == runner, found["training_step"]
+    assert len(runner) == 1, runner
+    # _recipe.py: how a loss goes backward in the run's precision (the runner calls it)
+    assert [line.split(":")[0] for line in found["backward"]] == ["_recipe.py", "_run.py"], found["backward"]
+    assert [line.split(":")[0] for line in found["for over batches"]] == ["_run.py"], found["for over batches"]
+    # begin_epoch: at an epoch's start, and where a fault-tolerant group takes a peer's state (take_over)
+    assert {line.split(":")[0] for line in found["begin_epoch"]} == {"_run.py"}, found["begin_epoch"]
+    assert {line.split(":")[0] for line in found["on_epoch_begin"]} == {"_run.py"}, found["on_epoch_begin"]
+    assert len(found["tqdm"]) == 1, found["tqdm"]
+    assert sorted(found["fault_tolerance is"]) == ["_loop.py:__init__", "_loop.py:fit"], found["fault_tolerance is"]

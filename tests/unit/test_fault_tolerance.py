@@ -123,7 +123,8 @@ def test_a_fault_tolerant_trainloop_calls_the_callbacks_when_the_ddp_loop_does(
 def test_a_fault_tolerant_trainloop_shows_its_progress_and_says_its_epochs_in_the_writing_group(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """progress=True under fault tolerance: a bar of the epoch's steps and the epoch's line, named by the group."""
+    """progress=True under fault tolerance: a bar of the epoch's items (the runner's, as under DDP) and the epoch's
+    line, named by the group."""
     from torch.utils.data import DataLoader, Subset
 
     from ddpkit._secret import SECRET_VARIABLE, new_job_secret
@@ -138,7 +139,8 @@ def test_a_fault_tolerant_trainloop_shows_its_progress_and_says_its_epochs_in_th
     out, err = capsys.readouterr()
     assert "[r0] epoch  1/1  train loss" in out
     assert "[r0] epoch 1/1" in err, err[-500:]
-    assert "/4 [" in err, "a bar of the epoch's 4 steps"
+    assert "/128 [" in err, "a bar of the epoch's 128 items"
+    assert "item/s" in err
 
 
 def test_fault_tolerance_settings_come_from_torchfts_variables_and_missing_ones_are_named() -> None:

@@ -1,12 +1,14 @@
 """Training: :class:`~ddpkit.TrainLoop` and what it keeps, raises and takes: its run state and the checkpoints
 made of it, SLURM's preemption, and the types of its learning-rate schedule and precision arguments."""
 
-# For maintainers, what the private modules hold: ``_loop`` (what a user sees of ``TrainLoop``), ``_run`` (its
-# set-up, epochs and optimizer steps), ``_state`` (the run state it owns, and the checkpoint made of it),
+# For maintainers, what the private modules hold: ``_loop`` (what a user sees of ``TrainLoop``), ``_run`` (its set-up
+# and the epoch runner: epochs, the per-batch body, the bar, optimizer steps), ``_driver`` (what a step driver hands
+# the runner), ``_ddp_steps`` (DDP's step driver), ``_state`` (the run state it owns, and the checkpoint made of it),
 # ``_steps`` (which batches end an optimizer step), ``_sources`` (a loader's epochs, map-style or streamed),
-# ``_evaluation`` (metrics equal to one process's), ``_new_processes`` (``fit_distributed``), ``_preemption``
-# (SLURM's signals), ``_messages`` (what it prints and raises), ``_recipe`` (learning-rate schedules, mixed
-# precision, gradient clipping, compilation), ``_fault_tolerant`` (the step driver of a replica group).
+# ``_evaluation`` (metrics equal to one process's), ``_new_processes`` (``fit_distributed``), ``_preemption`` (SLURM's
+# signals), ``_messages`` (what it prints and raises), ``_recipe`` (learning-rate schedules, mixed precision, gradient
+# clipping, compilation), ``_fault_tolerant`` (the step driver of a replica group), ``_ahead`` (its shares through the
+# training loader).
 
 from __future__ import annotations
 

@@ -14,32 +14,31 @@ A step that is not committed (a group was lost during it) changes nothing and is
 items, by the next quorum: every item is used once per epoch in the committed steps. A recovering group
 takes a healthy peer's checkpoint (``TrainState``, versioned: weights, optimizer, scheduler, scaler,
 callbacks, epoch, position, loss sums, history, random state), captured and restored by the code that
-writes and resumes checkpoints.
+writes and resumes checkpoints, and the runner goes on from there.
+
+The driver has no loop over epochs or batches of its own: the runner asks it for the epoch's steps
+(:class:`_QuorumStep`), trains the batches each yields, and takes the steps it commits.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
+from ddpkit.checkpoint import rng_state
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
 from ddpkit.fault_tolerance._record import finished, record_finished
 from ddpkit.fault_tolerance._replica import group_name
 from ddpkit.process_group import get_rank, get_world_size
-from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
-from ddpkit.training._ahead import AheadLoader, shares
-from ddpkit.training._run import CommittedStep, TrainingRun
+from ddpkit.training._ahead import ShareLoader, shares
+from ddpkit.training._driver import Batch, CommittedStep, Step
+from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import TrainState
 
 __all__ = ["FaultTolerantSteps"]
@@ -67,14 +66,16 @@ def _weight_norms(model: torch.nn.Module) -> torch.Tensor:
 class FaultTolerantSteps:
     """The steps of ``run`` (a set-up ``TrainLoop``) as one replica group, or one rank of it when the default
     process group has several ranks (a step driver of the epoch runner: in its ``with`` block this process is a
-    member of the job's quorums). The DDP model's own all-reduce is off (``no_sync``): the group's ranks
-    average their gradients with the quorum's (:meth:`ReplicaGroup.average_gradients`), once per step.
+    member of the job's quorums). The DDP model's own all-reduce is off (every batch is unsynced): the group's
+    ranks average their gradients with the quorum's (:meth:`ReplicaGroup.average_gradients`), once per step.
 
-    With DataLoader workers, the training loader's workers load the next steps' shares ahead
-    (:class:`~ddpkit.training._ahead.AheadLoader`).
+    Each step's share comes through the training loader (:class:`~ddpkit.training._ahead.ShareLoader`), whose
+    workers load the next steps' shares ahead.
 
     Raises:
         ValueError: the training loader has no fixed batch size (a batch sampler), or no global order (a stream).
+        TypeError: the optimizer is a ``ZeroRedundancyOptimizer`` (its state is sharded over the group's ranks:
+            a peer's state could not be captured without a collective).
     """
 
     def __init__(self, run: TrainingRun, settings: TorchFT, global_batch_size: int, dealer: DistributedSamplerWrapper
@@ -89,26 +90,29 @@ class FaultTolerantSteps:
                 "fault_tolerance deals each step's items over the replica groups in batches of the training "
                 "loader's batch_size; this loader has a batch sampler: build it with batch_size=..."
             )
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports torch.jit: only when needed
+
+        if isinstance(loop.optimizer, ZeroRedundancyOptimizer):
+            raise TypeError(
+                "fault_tolerance with a ZeroRedundancyOptimizer: its state is sharded over the group's ranks, and a "
+                "recovering group takes a peer's state while that peer trains, without a collective. Use the "
+                "optimizer it wraps (each group holds the whole state)"
+            )
         self.batch_size = int(loader.batch_size)
-        self.dataset, self.collate = loader.dataset, loader.collate_fn
-        self._ahead = (
-            AheadLoader(loader, self.batch_size, global_batch_size, self._order,
-                        lambda epoch, low: epoch_seed(loop.seed, epoch, low))
-            if loader.num_workers else None
-        )  # fmt: skip
+        self.data = ShareLoader(loader, self.batch_size, global_batch_size, self._order,
+                                lambda epoch, low: epoch_seed(loop.seed, epoch, low))  # fmt: skip
         #: Entries of the current epoch's global order done in committed steps.
         self.position = 0
         self.prefix = ""
         self._group: ReplicaGroup | None = None
-        self._finished = False
         self._num_epochs: int | None = None  # the fit's, once its epochs began
         self._orders: dict[int, torch.Tensor] = {}
         self._members: tuple[str, ...] = ()
         self._processes: tuple[str, ...] = ()
         self._writer = False  # whether this is rank 0 of participant 0 of the last committed step
         self._writing_group = False  # whether this is a rank of participant 0 of the last committed step
-        self._deal: tuple[int, int | None] | None = None  # (participants, index) of the last step's quorum
-        self._share_time = 0.0  # seconds per batch of loading and forward in this group's last share
+        self.last_deal: tuple[int, int | None] | None = None  # (participants, index) of the last step's quorum
+        self._job_sums = torch.zeros(2, dtype=torch.float64)  # every group's, in this epoch's committed steps
         self._times: dict[str, tuple[float, int]] = {}  # this epoch: each group's (seconds per batch, steps)
         #: The replica groups whose times ``loop.step_times`` holds, in that order (after an epoch).
         self.timed: list[str] = []
@@ -121,7 +125,7 @@ class FaultTolerantSteps:
         Raises:
             ValueError: the loader cannot be dealt.
         """
-        run.setup()
+        run.setup(None)  # the sampler gives each epoch's order; the steps deal it
         assert run.loop.global_batch is not None
         dealer = run.epochs.source.deal_every_item("fault_tolerance")
         dealer.num_replicas, dealer.rank = 1, 0  # every rank of a group draws the epoch's whole order: steps deal it
@@ -131,14 +135,21 @@ class FaultTolerantSteps:
 
     def state_dict(self) -> dict[str, Any]:
         """What a recovering peer takes from this group: the run's checkpoint (``TrainState.to_dict``) at this
-        group's position (read by torchft while this group waits for the quorum)."""
-        return self.run.capture(self.position).to_dict()
+        group's position (read by torchft while this group waits for the quorum; no collective)."""
+        return self.run.capture(self.position, self).to_dict()
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Take a healthy peer's :meth:`state_dict` (torchft calls it at the commit of this group's first step),
         as a checkpoint is resumed; this group's own counts of failed and re-dealt steps stay its own."""
-        self.run.restore(TrainState.from_dict(saved, f"the state replica group {self.settings.replica_id} took"))
-        self.position = self.loop.state.begin_epoch()
+        self.position = self.run.take_over(
+            TrainState.from_dict(saved, f"the state replica group {self.settings.replica_id} took")
+        )
+        self._job_sums = torch.zeros(2, dtype=torch.float64)
+
+    def gathered(self, position: int) -> tuple[list[dict[str, Any]], torch.Tensor]:
+        """This rank's random state (each batch is reseeded) and the job's loss sums of the epoch's committed
+        steps, which rode with their gradients: no collective."""
+        return [rng_state()], self._job_sums.clone()
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -148,8 +159,7 @@ class FaultTolerantSteps:
         done = finished()
         if done is not None:
             self._end_here(f"the job finished at step {done.step} (replica group {done.by} trained its last step)")
-        if self._ahead is not None:
-            self._ahead.start_workers()
+        self.data.start_workers()
         self._group = self.settings.join(self.state_dict, self.load_state_dict)
         return self
 
@@ -158,8 +168,7 @@ class FaultTolerantSteps:
         trained = self._num_epochs is not None and (state.epoch >= self._num_epochs or state.should_stop)
         if exc[0] is None and trained and self.rank == 0 and self._group is not None:
             record_finished(state.global_step, str(self.settings.replica_id))  # for the job's groups on this machine
-        if self._ahead is not None:
-            self._ahead.close()
+        self.data.close()
         if self._group is not None:
             self._group.close()
             self._group = None
@@ -184,41 +193,20 @@ class FaultTolerantSteps:
         it writes the checkpoint together: rank 0 writes, the others wait)."""
         return self._writing_group
 
-    def epoch(self, num_epochs: int) -> Iterator[CommittedStep]:
-        """The committed steps of the current epoch, step by step with the quorum. A recovering group takes
-        its peer's epoch and position in its first commit and goes on from there. With ``progress``, the
-        group that writes (participant 0 of the epoch's first committed step) shows a bar of its steps."""
+    def epoch(self, position: int, num_epochs: int) -> Iterator[Step]:
+        """The steps of the run's current epoch from ``position``, one quorum each, until its order is done. A
+        recovering group takes its peer's epoch and position in a commit and goes on from there."""
         assert self._group is not None, "FaultTolerantSteps.epoch outside its with block"
-        state, bar = self.loop.state, None
-        self.position, self._finished, self._times = state.begin_epoch(), False, {}
-        self._num_epochs = num_epochs
-        try:
-            while state.epoch < num_epochs and not (state.should_stop and self.position == 0):
-                order = self._order(state.epoch)
-                if self.position >= len(order):
-                    self._finished = True
-                    return
-                step = self._step(self._group)
-                if step is None:
-                    continue
-                if bar is None and self._writer and self.loop.progress:
-                    bar = tqdm(total=math.ceil(len(order) / self.size), unit="step", leave=False,
-                               desc=f"{self.prefix}epoch {state.epoch + 1}/{num_epochs}")  # fmt: skip
-                if bar is not None:
-                    bar.update(math.ceil(self.position / self.size) - bar.n)
-                yield step
-        finally:
-            if bar is not None:
-                bar.close()
+        self.position, self._num_epochs = position, num_epochs
+        self._job_sums, self._times = torch.zeros(2, dtype=torch.float64), {}
+        while self.position < len(self._order(self.loop.state.epoch)):
+            yield _QuorumStep(self, self._group)
 
-    def epoch_loss(self) -> float | None:
-        """The epoch's train loss over every group (its sums came with each step), ``None`` when unfinished."""
-        summed = self.loop.state.epoch_sums
-        if not self._finished:
-            return None
+    def epoch_loss(self) -> float:
+        """The epoch's train loss over every group (its sums came with each step's gradients)."""
         self.timed = sorted(self._times)
         self.loop.step_times = [1000 * self._times[name][0] / self._times[name][1] for name in self.timed]
-        return float(summed[0] / summed[1]) if float(summed[1]) else float("nan")
+        return self.loop.state.epoch_loss(self._job_sums)
 
     def _order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s global order (dataset indices), the same in every group."""
@@ -228,56 +216,49 @@ class FaultTolerantSteps:
             self._orders[epoch] = torch.as_tensor(list(self.dealer), dtype=torch.int64)
         return self._orders[epoch]
 
-    def _step(self, group: ReplicaGroup) -> CommittedStep | None:
-        """One quorum's step: this group's share, averaged over the participants, committed; ``None`` when
-        it was not (the next quorum does it again) or was the job's first quorum."""
+    def share(self, step: torch.Tensor, epoch: int, low: int, participants: int, index: int | None
+              ) -> Iterator[Batch]:  # fmt: skip
+        """The batches of this rank's share of participant ``index``'s share of ``step`` (dataset indices from
+        position ``low`` of ``epoch``) among ``participants``; none for ``None``. Each batch's loss (a mean
+        over its items) is scaled by ``items * W / step items`` (``W``: every rank of every participant)."""
+        if index is None:
+            return
+        workers, worker = participants * self.ranks, index * self.ranks + self.rank  # this rank as a worker
+        chunks = shares(step, workers, worker, self.batch_size)
+        loaded = self.data.share(epoch, low, workers, worker)
+        for number, (chunk, data) in enumerate(zip(chunks, loaded, strict=True)):
+            seed = epoch_seed(self.loop.seed, epoch, low + worker + workers * number * self.batch_size)
+            yield Batch(data, len(chunk) * workers / len(step), seed=seed, index=low // self.size)
+
+    def commit(self, group: ReplicaGroup, step: _QuorumStep) -> CommittedStep | None:
+        """Average ``step``'s gradients over the quorum's participants with what rides with them, and commit;
+        ``None`` when it was not (the next quorum does it again)."""
         loop, state, model = self.loop, self.loop.state, self.loop.model
-        group.start_step()  # the quorum forms while this group computes the share it had in the last step
-        if group.alone and state.global_step == 0:  # started again, no peer to take the state from, no checkpoint
-            self._end_here(
-                f"started again, it found no other replica group of the job within {self.settings.quorum_timeout:g} s "
-                "(quorum_timeout): the job finished, or its other groups are gone, and nothing holds the run's state"
-            )  # fmt: skip
-        epoch, low = state.epoch, self.position
-        step = self._order(epoch)[low : low + self.size]
-        loop.optimizer.zero_grad(set_to_none=True)
-        model.train()
-        guess = self._deal
-        sums = self._share(step, epoch, low, *guess) if guess is not None else torch.zeros(2, dtype=torch.float64)
-        participants, index = group.participants, group.participant_index
-        self._note_members(group.member_processes, state.global_step)
-        if group.step == 0:  # the job's first quorum: every group but one takes that one's state (torchft's init_sync)
-            self._synchronise(group)
-            return None
-        if (participants, index) != guess:  # another quorum than the last step's: deal the step again
-            if guess is not None and guess[1] is not None:
-                state.dealt_again += 1
-            loop.optimizer.zero_grad(set_to_none=True)
-            sums = self._share(step, epoch, low, participants, index)
-        self._deal = (participants, index)
+        participants, index = step.deal
         own = _weight_norms(model) if index is not None else torch.zeros(2, dtype=torch.float64)
         buffers = _numeric_buffers(model)
         mine = torch.cat(
             [b.detach().reshape(-1).double().cpu() for b in buffers] or [torch.zeros(0, dtype=torch.float64)]
         )
-        # The loss sums, the weights' norms, SLURM's signals and the buffers (BatchNorm's statistics) ride with
-        # the gradients.
-        flags = loop.preemption.received_flags()
-        # And each group's time per batch of loading and forward, in its slot (the quorum's names, sorted).
+        # The loss sums, the weights' norms, SLURM's signals, each group's time per batch of loading and forward
+        # (in its slot: the quorum's names, sorted) and the buffers (BatchNorm's statistics) ride with the
+        # gradients.
         members = group.members
         times = torch.zeros(len(members), dtype=torch.float64)
         if index is not None and self.settings.replica_id in members:
-            times[members.index(self.settings.replica_id)] = self._share_time
-        riding = torch.cat([sums, own, flags, times, mine if index is not None else torch.zeros_like(mine)])
+            times[members.index(self.settings.replica_id)] = step.busy / max(1, step.trained)
+        flags = loop.preemption.received_flags()
+        riding = torch.cat([step.sums, own, flags, times, mine if index is not None else torch.zeros_like(mine)])
         # Views of riding: their means over the participants once it has been averaged.
         mean_sums, mean_norms, mean_flags, mean_times, mean_buffers = torch.split(
             riding, [2, 2, 2, len(members), mine.numel()]
         )
+        job_sums = torch.zeros(2, dtype=torch.float64)
         if group.average_gradients(model.parameters(), also=riding):
-            sums = mean_sums * (participants * self.ranks)  # their mean over every rank of them -> their sum
+            job_sums = mean_sums * (participants * self.ranks)  # their mean over every rank of them -> their sum
             if index is not None:
                 self._check_same_weights(own, mean_norms, state.global_step + 1)
-        if not group.commit():
+        if not group.commit():  # a recovering group takes its peer's state in it (load_state_dict)
             loop.optimizer.zero_grad(set_to_none=True)
             state.failed_steps += 1
             log.warning(
@@ -294,11 +275,13 @@ class FaultTolerantSteps:
             if seconds > 0:  # a group that trained a share in this step
                 total, steps = self._times.get(name, (0.0, 0))
                 self._times[name] = (total + seconds, steps + 1)
+        self._job_sums += job_sums
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
         self.position += min(self.size, len(self._order(state.epoch)) - self.position)
         self._writing_group = index == 0
         self._writer = self._writing_group and self.rank == 0
-        return CommittedStep(self.position, sums, {"replica_groups": float(participants)}, mean_flags)
+        signal = loop.preemption.signal_of(mean_flags)
+        return CommittedStep(self.position, step.sums, signal, {"replica_groups": float(participants)})
 
     def _check_same_weights(self, own: torch.Tensor, mean: torch.Tensor, step: int) -> None:
         """Raise when this group's weights are not the quorum's: ``own`` (this group's L1 norm and squared L2
@@ -318,48 +301,6 @@ class FaultTolerantSteps:
             "checkpoint, and please report this as a bug of ddpkit's fault tolerance"
         )
 
-    def _synchronise(self, group: ReplicaGroup) -> None:
-        """The job's first quorum: no items and no optimizer step. torchft gives every group of it but one (the
-        recovery source) that one's state, but still counts them in the step's average: a step trained then
-        would lose their shares."""
-        self.loop.optimizer.zero_grad(set_to_none=True)
-        self._deal = None
-        if not group.commit():
-            self.loop.state.failed_steps += 1
-
-    def _share(self, step: torch.Tensor, epoch: int, low: int, participants: int, index: int | None) -> torch.Tensor:
-        """Forward and backward of this rank's share of participant ``index``'s share of ``step`` (dataset indices
-        from position ``low`` of ``epoch``) among ``participants``: its loss sums (``(2,)`` float64); nothing for
-        ``None``. DDP's own all-reduce stays off: :meth:`ReplicaGroup.average_gradients` does it with the quorum's."""
-        loop, sums = self.loop, torch.zeros(2, dtype=torch.float64)
-        self._share_time = 0.0
-        if index is None:
-            return sums
-        participants, index = participants * self.ranks, index * self.ranks + self.rank  # this rank as a worker
-        ddp = loop.ddp_model
-        with ddp.no_sync() if isinstance(ddp, DistributedDataParallel) else contextlib.nullcontext():
-            return self._forward_backward(step, epoch, low, participants, index)
-
-    def _forward_backward(self, step: torch.Tensor, epoch: int, low: int, participants: int, index: int
-                          ) -> torch.Tensor:  # fmt: skip
-        """Worker ``index`` of ``participants``'s share of ``step``: forward and backward, its loss sums."""
-        run, loop, sums = self.run, self.loop, torch.zeros(2, dtype=torch.float64)
-        forward, busy, previous, batches = run.forward_model, 0.0, time.perf_counter(), 0
-        loaded = self._ahead.share(epoch, low, participants, index) if self._ahead is not None else None
-        for number, chunk in enumerate(shares(step, participants, index, self.batch_size)):
-            reseed_torch(epoch_seed(loop.seed, epoch, low + index + participants * number * self.batch_size))
-            batch = loop.batch_to_device(
-                loaded[number] if loaded is not None else self.collate([self.dataset[int(i)] for i in chunk])
-            )
-            with loop.recipe.autocast(loop.device):
-                loss = loop.training_step(forward, batch)
-            busy += time.perf_counter() - previous  # loading and forward: before the step's all-reduce
-            loop.recipe.backward(loss * (len(chunk) * participants / len(step)))
-            sums += torch.tensor([float(loss.detach()) * len(chunk), len(chunk)], dtype=torch.float64)
-            previous, batches = time.perf_counter(), batches + 1
-        self._share_time = busy / max(1, batches)
-        return sums
-
     def _note_members(self, processes: tuple[str, ...], step: int) -> None:
         """Log who left, joined or was started again since the last step's quorum, in one line (``processes``:
         the quorum's ``NAME:uuid`` ids, a new uuid for each process of a group)."""
@@ -378,3 +319,60 @@ class FaultTolerantSteps:
                 self.settings.replica_id, step + 1, "; ".join(events), ", ".join(sorted(now)),
             )  # fmt: skip
         self._processes, self._members = processes, tuple(sorted(now))
+
+
+class _QuorumStep(Step):
+    """One optimizer step of a replica group: one torchft quorum. Its batches are this rank's share as the last
+    step's quorum dealt (computed while this one forms), then, when the quorum deals otherwise, the share it
+    deals; the job's first quorum trains nothing (every group but one takes that one's state)."""
+
+    def __init__(self, driver: FaultTolerantSteps, group: ReplicaGroup) -> None:
+        super().__init__()
+        self.driver, self.group = driver, group
+        #: ``(participants, index)`` of the step's quorum (``index``: this group's, ``None`` when it heals).
+        self.deal: tuple[int, int | None] = (0, None)
+        self.first = False
+
+    def batches(self) -> Iterator[Batch]:
+        driver, group = self.driver, self.group
+        loop, state = driver.loop, driver.loop.state
+        group.start_step()  # the quorum forms while this group computes the share it had in the last step
+        if group.alone and state.global_step == 0:  # started again, no peer to take the state from, no checkpoint
+            driver._end_here(
+                f"started again, it found no other replica group of the job within "
+                f"{driver.settings.quorum_timeout:g} s (quorum_timeout): the job finished, or its other groups are "
+                "gone, and nothing holds the run's state"
+            )  # fmt: skip
+        epoch, low = state.epoch, driver.position
+        items = driver._order(epoch)[low : low + driver.size]
+        loop.optimizer.zero_grad(set_to_none=True)
+        guess = driver.last_deal
+        if guess is not None:
+            yield from driver.share(items, epoch, low, *guess)
+        self.deal = (group.participants, group.participant_index)
+        driver._note_members(group.member_processes, state.global_step)
+        self.first = group.step == 0
+        if self.first:  # the job's first quorum: every group but one takes that one's state (torchft's init_sync)
+            return
+        if self.deal != guess:  # another quorum than the last step's: deal the step again
+            if guess is not None and guess[1] is not None:
+                state.dealt_again += 1
+            loop.optimizer.zero_grad(set_to_none=True)
+            self.restart()
+            yield from driver.share(items, epoch, low, *self.deal)
+        driver.last_deal = self.deal
+
+    def commit(self) -> CommittedStep | None:
+        if self.first:
+            self._synchronise()
+            return None
+        return self.driver.commit(self.group, self)
+
+    def _synchronise(self) -> None:
+        """The job's first quorum: no items and no optimizer step. torchft gives every group of it but one (the
+        recovery source) that one's state, but still counts them in the step's average: a step trained then
+        would lose their shares."""
+        self.driver.loop.optimizer.zero_grad(set_to_none=True)
+        self.driver.last_deal = None
+        if not self.group.commit():
+            self.driver.loop.state.failed_steps += 1

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from ddpkit.batches import move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler
@@ -27,14 +26,14 @@ from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT, torchft_settings
 from ddpkit.jobs.launch import StartMethod
 from ddpkit.plotting import plot_history
-from ddpkit.process_group import ensure_dist_connection, get_rank, rank_device
-from ddpkit.training._evaluation import predict_in_order
+from ddpkit.process_group import ensure_dist_connection, rank_device
+from ddpkit.training._ddp_steps import DDPSteps
+from ddpkit.training._driver import StepDriver
 from ddpkit.training._fault_tolerant import FaultTolerantSteps
-from ddpkit.training._messages import resume_line
 from ddpkit.training._new_processes import fit_elsewhere
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Interval, Precision, Recipe, Scheduler, SchedulerFactory
-from ddpkit.training._run import DDPSteps, StepDriver, TrainingRun
+from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import RunField, RunState
 from ddpkit.training._steps import GlobalBatch
 
@@ -189,12 +188,7 @@ class TrainLoop:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
         #: The torchft settings this process trains as one replica group with (``None``: plain DDP).
         self.fault_tolerance = torchft_settings(fault_tolerance)
-        if self.fault_tolerance is not None and global_batch_size is None:
-            raise ValueError(
-                "fault_tolerance needs global_batch_size (items per optimizer step over all replica groups): each "
-                "step's items are dealt over the groups of that step's quorum, whose number changes"
-            )
-        self.global_batch = GlobalBatch(global_batch_size) if global_batch_size is not None else None
+        self.global_batch = GlobalBatch.of(global_batch_size, fault_tolerant=self.fault_tolerance is not None)
         self.model = model
         self.train_loader = train_loader
         self.validation_loader = validation_loader
@@ -299,16 +293,12 @@ class TrainLoop:
             self.global_batch.check_no_accumulation(grad_accumulation)
         ensure_dist_connection()  # under torchrun, srun, mpirun...: one job, not N copies
         self.callbacks_handler.register_callbacks(callbacks)
-        driver: StepDriver = (
+        driver: StepDriver = (  # what differs between DDP and a fault-tolerant replica group: the steps
             FaultTolerantSteps.of(self._run, self.fault_tolerance)
             if self.fault_tolerance is not None
-            else DDPSteps(self._run, self._run.setup(), grad_accumulation)
+            else DDPSteps(self._run, grad_accumulation)
         )
-        if self._run.resume() and (driver.leader or (self.fault_tolerance is not None and get_rank() == 0)):
-            # every group says it (its rank 0)
-            line = resume_line(self.state, self.checkpoint_dir, num_epochs)
-            tqdm.write(f"{line}\n", end="")  # one write: other groups' lines may share the stream
-            log.info(line)
+        self._run.resume(num_epochs)
         return self._run.run_epochs(driver, num_epochs)
 
     def fit_distributed(
@@ -405,7 +395,4 @@ class TrainLoop:
         loader = loader if loader is not None else self.validation_loader
         if loader is None:
             raise ValueError("evaluate() needs a loader: pass one or give the TrainLoop a validation_loader")
-        ensure_dist_connection()
-        self.model.to(self.device)
-        predictions, targets = predict_in_order(self.model, loader, self._run.predict, self.batch_to_device)
-        return self.compute_metrics(predictions, targets)
+        return self.compute_metrics(*self._run.predict_split(loader))

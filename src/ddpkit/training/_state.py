@@ -19,8 +19,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, overload
 
 import torch
 
-from ddpkit.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from ddpkit.collectives import all_gather_object, sync_ddp
+from ddpkit.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from ddpkit.errors import DDPKitError
 from ddpkit.hangs._watchdog import paused
 from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
@@ -45,9 +44,12 @@ class RunState:
         resume_position: entries of ``epoch``'s global order that a resumed run
             skips at the epoch's start (0 but right after a mid-epoch resume).
         epoch_sums: ``(2,)`` float64: this rank's loss sum and sample count in
-            the epoch so far (a resumed epoch starts from the checkpoint's
-            sums of all ranks on rank 0, so its train loss is the uninterrupted one).
-        step_loss: ``(2,)`` float64: the same, in the last optimizer step.
+            the steps it took in the epoch since it began or resumed.
+        resumed_sums: ``(2,)`` float64: the loss sum and sample count of every
+            process in the epoch before the run resumed it (from a checkpoint, or
+            with fault tolerance from another replica group's state); zeros
+            when the epoch began here.
+        step_loss: ``(2,)`` float64: this rank's loss sum and sample count in the last optimizer step.
         history: per epoch, ``train_loss`` and ``validation_<metric>`` (and
             ``lr``, ``skipped_steps`` when a scheduler, fp16 are used).
         should_stop: set by a callback (on every rank) to end ``fit`` after this epoch.
@@ -68,6 +70,7 @@ class RunState:
     global_step: int = 0
     resume_position: int = 0
     epoch_sums: torch.Tensor = field(default_factory=_sums)
+    resumed_sums: torch.Tensor = field(default_factory=_sums)
     step_loss: torch.Tensor = field(default_factory=_sums)
     history: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     should_stop: bool = False
@@ -75,34 +78,30 @@ class RunState:
     skipped_steps: int = 0
     failed_steps: int = 0
     dealt_again: int = 0
-    _step_start: torch.Tensor = field(default_factory=_sums, repr=False)
 
     def begin_epoch(self) -> int:
         """Start the epoch: the position it starts at (taken from :attr:`resume_position`, which becomes 0)."""
         position, self.resume_position = self.resume_position, 0
+        self.epoch_sums = _sums()
         if not position:
-            self.epoch_sums = _sums()
-        self._step_start = self.epoch_sums.clone()
+            self.resumed_sums = _sums()
         return position
 
-    def add_batch(self, mean_loss: float, items: float) -> None:
-        """Count a batch of ``items`` items whose mean loss was ``mean_loss``."""
-        self.epoch_sums += torch.tensor([mean_loss * items, items], dtype=torch.float64)
-
-    def end_step(self, taken: bool = True, **metrics: float) -> None:
-        """Count an optimizer step (``taken``: not skipped by fp16's scaler); :attr:`step_loss` becomes its sums,
-        :attr:`step_metrics` its ``metrics``."""
+    def count_step(self, sums: torch.Tensor, taken: bool = True, **metrics: float) -> None:
+        """Count an optimizer step (``taken``: not skipped by fp16's scaler) whose loss sum and sample count on
+        this rank were ``sums`` (``(2,)`` float64): :attr:`step_loss` becomes them, :attr:`step_metrics`
+        ``metrics``."""
         self.global_step += 1
         self.skipped_steps += not taken
         self.step_metrics = metrics
-        self.step_loss, self._step_start = self.epoch_sums - self._step_start, self.epoch_sums.clone()
-
-    def count_step(self, sums: torch.Tensor, taken: bool = True, **metrics: float) -> None:
-        """Count an optimizer step whose loss sums over every replica group were ``sums`` (``(2,)`` float64, as
-        :attr:`step_loss`), as :meth:`end_step`."""
-        self._step_start = self.epoch_sums.clone()
+        self.step_loss = sums
         self.epoch_sums = self.epoch_sums + sums
-        self.end_step(taken, **metrics)
+
+    def epoch_loss(self, sums: torch.Tensor) -> float:
+        """The epoch's train loss from ``sums``, every process's loss sum and sample count in the steps since
+        the epoch began or resumed (with what came before, :attr:`resumed_sums`); nan without samples."""
+        total = sums + self.resumed_sums
+        return float(total[0] / total[1]) if float(total[1]) else float("nan")
 
 
 class HasRunState(Protocol):
@@ -183,33 +182,26 @@ class TrainState:
     def capture(
         cls, run: RunState, position: int, epochs: TrainingEpochs, *, model: dict[str, Any],
         optimizer: dict[str, Any], callbacks: dict[str, dict[str, Any]], seed: int, recipe: dict[str, Any],
-        replicated: bool = False,
+        rngs: list[dict[str, Any]], epoch_sums: torch.Tensor,
     ) -> TrainState:  # fmt: skip
         """The state of ``run`` after ``position`` entries of its current epoch's global order (``epochs``: the
-        training loader's), with the given weights, optimizer, callback, scheduler and scaler states.
-
-        Every rank must call it: it gathers every rank's RNG state and sums the
-        epoch's partial loss (two small collectives). With ``replicated`` (a fault-tolerant replica group, whose
-        ranks hold the job's sums already and reseed before every batch), no collective: this rank's sums and
-        random state (torchft captures a group's state in a thread of its own, beside the step's collectives).
+        training loader's), with the given weights, optimizer, callback, scheduler and scaler states, random
+        states (``rngs``, by rank) and every process's loss sums in the epoch's steps since it began or resumed
+        (``epoch_sums``, ``(2,)`` float64). No collective but a stream's (which items every rank has taken).
         """
-        rngs = [rng_state()] if replicated else all_gather_object(rng_state())
         stream = epochs.source.taken() if position else None
-        epoch_sums = run.epoch_sums.clone() if position else _sums()
-        if position and not replicated:
-            epoch_sums = sync_ddp(epoch_sums)
+        sums = epoch_sums.cpu() + run.resumed_sums if position else _sums()
         return cls(
-            model=model, optimizer=optimizer, epoch=run.epoch, position=position, epoch_sums=epoch_sums,
+            model=model, optimizer=optimizer, epoch=run.epoch, position=position, epoch_sums=sums,
             global_step=run.global_step, seed=seed, world_size=get_world_size(), rng=rngs,
             history={name: list(values) for name, values in run.history.items()}, callbacks=callbacks, stream=stream,
             recipe=recipe, skipped_steps=run.skipped_steps,
         )  # fmt: skip
 
-    def restore(self, run: RunState, epochs: TrainingEpochs, *, keeps_steps: bool, replicated: bool = False) -> None:
+    def restore(self, run: RunState, epochs: TrainingEpochs, *, keeps_steps: bool) -> None:
         """Put ``run`` where this state was, and this rank's random state (every rank calls it; ``epochs``: the
         training loader's, sharded). Weights, optimizer, callbacks, scheduler and
-        scaler are the caller's to load. With ``replicated`` (a fault-tolerant replica group) every rank takes the
-        epoch's sums, which are the job's; otherwise rank 0 carries them.
+        scaler are the caller's to load; no collective.
 
         On another number of ranks than wrote it, the epoch goes on with exactly
         the entries not done yet. With a fixed global batch (``keeps_steps``) the
@@ -224,8 +216,8 @@ class TrainState:
         if position:
             epochs.source.skip(self.stream)
         run.history = defaultdict(list, self.history)
-        first = (replicated or get_rank() == 0) and position > 0  # rank 0 carries the partial sums of all ranks
-        run.epoch_sums = self.epoch_sums.cpu() if first else _sums()
+        run.epoch_sums = _sums()
+        run.resumed_sums = self.epoch_sums.cpu().double() if position else _sums()
         if self.world_size != get_world_size() and not keeps_steps:
             warnings.warn(
                 f"resuming a checkpoint of {self.world_size} ranks on {get_world_size()}: each optimizer step now "

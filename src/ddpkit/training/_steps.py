@@ -124,6 +124,20 @@ class GlobalBatch:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
             raise ValueError(f"global_batch_size={self.size!r} must be an integer >= 1 (items per optimizer step)")
 
+    @classmethod
+    def of(cls, size: int | None, fault_tolerant: bool) -> GlobalBatch | None:
+        """``TrainLoop``'s ``global_batch_size=size`` (``None``: none), which a ``fault_tolerant`` run needs.
+
+        Raises:
+            ValueError: ``size`` is not an integer >= 1, or is ``None`` in a fault-tolerant run.
+        """
+        if size is None and fault_tolerant:
+            raise ValueError(
+                "fault_tolerance needs global_batch_size (items per optimizer step over all replica groups): each "
+                "step's items are dealt over the groups of that step's quorum, whose number changes"
+            )
+        return cls(size) if size is not None else None
+
     def check_no_accumulation(self, grad_accumulation: int) -> None:
         """Raise ``ValueError`` for a ``grad_accumulation`` besides the global batch (which sets it)."""
         if grad_accumulation != 1:

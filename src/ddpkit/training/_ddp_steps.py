@@ -1,0 +1,125 @@
+"""DDP's step driver of a ``TrainLoop`` run: every rank its shard of each batch, DDP's all-reduce in the backward
+of a step's last batch (``grad_accumulation`` batches per step, or the global batch's); the epoch runner
+(``_run.py``) does the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ddpkit.checkpoint import rng_state
+from ddpkit.collectives import all_gather_object, mp_sync, sync_ddp
+from ddpkit.process_group import get_rank
+from ddpkit.training._driver import Batch, CommittedStep, Step
+from ddpkit.training._run import TrainingRun
+from ddpkit.training._steps import StepPlan, average_gradients
+
+__all__ = ["DDPSteps"]
+
+_Numbered = tuple[int, tuple[Any, float, bool]]  # (index, (batch, weight, last)) of the source's batches
+
+
+class DDPSteps:
+    """DDP's step driver (see the module docstring): ``accumulation`` batches per step, or the global batch's."""
+
+    prefix = ""
+    saves = True  # every rank: the checkpoint's capture gathers every rank's random state (rank 0 writes)
+
+    def __init__(self, run: TrainingRun, accumulation: int) -> None:
+        run.setup(run.loop.global_batch)
+        self.run, self.accumulation = run, accumulation
+        self.timed: list[str] = []  # the loop's step_times are the ranks', in order
+        self._busy, self._batches = 0.0, 0
+
+    @property
+    def leader(self) -> bool:
+        return get_rank() == 0
+
+    def __enter__(self) -> DDPSteps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def epoch(self, position: int, num_epochs: int) -> Iterator[Step]:
+        """The epoch's steps from ``position``: this rank's loader batches up to each step's end, then (with a
+        global batch whose last step not every rank has a batch in) a final step averaged explicitly."""
+        loop, epochs = self.run.loop, self.run.epochs
+        plan = epochs.begin(position, self.accumulation, loop.seed, loop.state.epoch)
+        done = position // epochs.entries_per_round  # this rank's batches before the position
+        self._busy, self._batches = 0.0, 0
+        batches = enumerate(epochs.source.training_batches())
+        step: Step = Step()
+        while (first := next(batches, None)) is not None:
+            step = _ShardStep(self.run, plan, first, batches, done)
+            yield step
+            self._busy, self._batches = self._busy + step.busy, self._batches + step.trained
+        if plan.final_step:  # a last, smaller step of a global batch: not every rank had a batch in it
+            unfinished = step if isinstance(step, _ShardStep) and not step.position else Step()
+            yield _FinalStep(self.run, plan, unfinished)
+
+    def epoch_loss(self) -> float:
+        """The epoch's train loss over every rank (one gather, with each rank's time per batch)."""
+        loop = self.run.loop
+        mine = torch.cat([loop.state.epoch_sums, torch.tensor([self._busy / max(1, self._batches)]).double()])
+        per_rank = mp_sync(mine).view(-1, 3)
+        loop.step_times = (1000 * per_rank[:, 2]).tolist() if per_rank.shape[0] > 1 else []
+        return loop.state.epoch_loss(per_rank[:, :2].sum(0))
+
+    def gathered(self, position: int) -> tuple[list[dict[str, Any]], torch.Tensor]:
+        """Every rank's random state and the ranks' summed loss sums (two small collectives; every rank)."""
+        sums = self.run.loop.state.epoch_sums
+        return all_gather_object(rng_state()), sync_ddp(sums.clone()) if position else torch.zeros_like(sums)
+
+
+class _ShardStep(Step):
+    """One DDP step: this rank's batches from ``first`` until the plan ends the step (DDP's all-reduce runs in
+    the backward of its last)."""
+
+    def __init__(self, run: TrainingRun, plan: StepPlan, first: _Numbered, rest: Iterator[_Numbered], done: int
+                 ) -> None:  # fmt: skip
+        super().__init__()
+        self.run, self.plan, self.first, self.rest, self.done = run, plan, first, rest, done
+        #: Entries of the epoch done once this step is; 0 while (or when) it has not ended.
+        self.position = 0
+
+    def batches(self) -> Iterator[Batch]:
+        plan, numbered = self.plan, self.first
+        while True:
+            index, (data, weight, last) = numbered
+            ends = plan.ends_step(index) or last
+            yield Batch(data, weight / plan.divisor(index), weight, plan.batch_seed(index), ends, self.done + index)
+            if ends:
+                self.position = plan.position_after(index)
+                return
+            following = next(self.rest, None)
+            if following is None:  # the rank's last batch, in a global batch's final step
+                return
+            numbered = following
+
+    def commit(self) -> CommittedStep | None:
+        """DDP averaged the gradients in the last batch's backward; the ranks agree on SLURM's signals. ``None``
+        for the rank's last batches when a final step finishes them (:class:`_FinalStep`)."""
+        if not self.position:
+            return None
+        return CommittedStep(self.position, self.sums, self.run.loop.preemption.agreed_signal())
+
+
+class _FinalStep(Step):
+    """A global batch's last, smaller step: the rank's batches in it (if any) were trained without DDP's
+    all-reduce; its gradients are averaged here."""
+
+    def __init__(self, run: TrainingRun, plan: StepPlan, unfinished: Step) -> None:
+        super().__init__()
+        self.run, self.plan = run, plan
+        self.sums = unfinished.sums  # the rank's batches in it, trained in the step that did not end
+
+    def batches(self) -> Iterator[Batch]:
+        return iter(())
+
+    def commit(self) -> CommittedStep:
+        average_gradients(self.run.loop.model.parameters())
+        return CommittedStep(self.plan.end_position(), self.sums, self.run.loop.preemption.agreed_signal())
