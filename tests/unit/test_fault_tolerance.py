@@ -282,9 +282,12 @@ def test_a_fault_tolerant_trainloop_refuses_a_batch_sampler_naming_the_fix(monke
 @pytest.mark.parametrize(
     ("arguments", "said"),
     [
-        (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29510"], "--nnodes 1:2: one replica group a node"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29510"], "--nnodes 1:2 (one replica group a node"),
         (["--nnodes", "2"], "--rdzv-endpoint HOST:PORT, the same on every node: where the lighthouse listens"),
-        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--group-size", "2"], "--group-size 2: with --nnodes"),
+        (
+            ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--group-size", "2"],
+            "--group-size 2 (with several nodes, each node's",
+        ),
         (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29510"], "needs the job secret: its lighthouse and its"),
         (["--replica-id", "a"], "--replica-id names a node's group: it goes with --fault-tolerance --nnodes N"),
     ],
@@ -415,7 +418,7 @@ def test_fit_distributed_with_fault_tolerance_refuses_what_it_cannot_honour() ->
     loop = _digits_loop(fault_tolerance="torchft", global_batch_size=64)
     with pytest.raises(ValueError, match=r"cannot honour nnodes='1:2' \(one replica group a node: a whole number"):
         loop.fit_distributed(1, nnodes="1:2")
-    with pytest.raises(ValueError, match=r"nnodes=2 without rdzv_endpoint \(the lighthouse's 'HOST:PORT'"):
+    with pytest.raises(ValueError, match=r"nnodes=2 without rdzv_endpoint HOST:PORT, the same on every node"):
         loop.fit_distributed(1, nnodes=2)
     with pytest.raises(ValueError, match=r"rdzv_endpoint='127.0.0.1:1' \(the lighthouse of a job on several nodes\)"):
         loop.fit_distributed(1, rdzv_endpoint="127.0.0.1:1")

@@ -369,8 +369,8 @@ def test_ddpkit_run_fault_tolerance_gives_every_group_one_secret_of_its_job_in_t
                         started[-1])  # fmt: skip
     monkeypatch.delenv("DDPKIT_JOB_SECRET", raising=False)
     for _ in range(2):
-        assert _job.run_replica_groups("train.py", [], groups=3, max_restarts=0, lighthouse="http://127.0.0.1:9") == [
-            0, 0, 0]  # fmt: skip
+        start = _job.script_groups("train.py", [], max_restarts=0)
+        assert _job.run_replica_groups(start, groups=3, lighthouse="http://127.0.0.1:9") == [0, 0, 0]
     first, second = ({group.env["DDPKIT_JOB_SECRET"] for group in started[i : i + 3]} for i in (0, 3))
     assert len(first) == 1, "one secret per job"
     assert len(second) == 1, "one secret per job"
@@ -379,7 +379,9 @@ def test_ddpkit_run_fault_tolerance_gives_every_group_one_secret_of_its_job_in_t
     assert not any(next(iter(first)) in " ".join(group.command) for group in started), "on a command line"
     assert "DDPKIT_JOB_SECRET" not in os.environ, "this process's environment is left alone"
     monkeypatch.setenv("DDPKIT_JOB_SECRET", JOB_SECRET)
-    _job.run_replica_groups("train.py", [], groups=2, max_restarts=0, lighthouse="http://127.0.0.1:9")
+    _job.run_replica_groups(
+        _job.script_groups("train.py", [], max_restarts=0), groups=2, lighthouse="http://127.0.0.1:9"
+    )
     assert {group.env["DDPKIT_JOB_SECRET"] for group in started[6:]} == {JOB_SECRET}
 
 

@@ -13,7 +13,7 @@ from ddpkit.cli._common import add_job_arguments, fail, use_secret_file
 from ddpkit.cli._doctor import handle as doctor
 from ddpkit.environments import ClusterEnvironment
 from ddpkit.errors import ClusterEnvironmentError, PortTakenError, RendezvousFailedError, WorkerFailedError
-from ddpkit.fault_tolerance._job import run_replica_groups
+from ddpkit.fault_tolerance._job import job_shape_problems, run_node_group, run_replica_groups, script_groups
 from ddpkit.hangs._watchdog import hang_timeout
 from ddpkit.jobs._agent_log import VERBOSE_VARIABLE
 from ddpkit.jobs.launch import check_target, run_script, scheduler_environment
@@ -150,8 +150,20 @@ def _run_replica_groups(args: argparse.Namespace) -> int:
             f"{scheduler.name} on a node (see the documentation's fault-tolerance page, docs/fault-tolerance.md)",
             status=2,
         )
+    problems = job_shape_problems(args.nnodes, args.rdzv_endpoint, args.group_size, flags=True)
+    if problems:
+        return fail("run", "--fault-tolerance cannot take " + "; ".join(problems), status=2)
+    start = script_groups(args.script, args.script_args, max_restarts=args.max_restarts, module=args.module)
     if args.nnodes != "1":
-        return _run_node_group(args)
+        try:
+            return run_node_group(
+                start, nnodes=int(args.nnodes), endpoint=args.rdzv_endpoint, nprocs=args.nprocs,
+                replica_id=args.replica_id or os.environ.get("SLURMD_NODENAME"),
+            )  # fmt: skip
+        except ValueError as error:
+            return fail("run", error, status=2)
+        except (ImportError, RendezvousFailedError, PortTakenError) as error:
+            return fail("run", error)
     if args.replica_id is not None:
         return fail("run", "--replica-id names a node's group: it goes with --fault-tolerance --nnodes N", status=2)
     processes, size = 1 if args.nprocs is None else args.nprocs, args.group_size
@@ -164,10 +176,7 @@ def _run_replica_groups(args: argparse.Namespace) -> int:
             status=2,
         )
     try:
-        statuses = run_replica_groups(
-            args.script, args.script_args, groups=processes // size, group_size=size,
-            max_restarts=args.max_restarts, module=args.module,
-        )  # fmt: skip
+        statuses = run_replica_groups(start, groups=processes // size, group_size=size)
         return next((status for status in statuses if status != 0), 0)
     except ValueError as error:
         return fail("run", error, status=2)
@@ -180,29 +189,3 @@ def _alone_on_its_node(scheduler: ClusterEnvironment) -> bool:
     unknown)."""
     count = scheduler.local_world_size()
     return count == 1 if count is not None else scheduler.local_rank() == 0
-
-
-def _run_node_group(args: argparse.Namespace) -> int:
-    """``ddpkit run --fault-tolerance --nnodes N``: this node's replica group."""
-    from ddpkit.fault_tolerance._job import run_node_group
-
-    problems = [
-        *([f"--nnodes {args.nnodes}: one replica group a node, a whole number of nodes (fault tolerance goes on "
-           "with the groups left, so MIN:MAX has no use here)"] if not args.nnodes.isdigit() else []),
-        *(["--rdzv-endpoint HOST:PORT, the same on every node: where the lighthouse listens (served by the node "
-           "whose address HOST is, or by `ddpkit lighthouse`)"] if args.rdzv_endpoint is None else []),
-        *([f"--group-size {args.group_size}: with --nnodes, each node's -n ranks are one group"]
-          if args.group_size != 1 else []),
-    ]  # fmt: skip
-    if problems:
-        return fail("run", "--fault-tolerance --nnodes needs " + "; ".join(problems), status=2)
-    try:
-        return run_node_group(
-            args.script, args.script_args, nnodes=int(args.nnodes), endpoint=args.rdzv_endpoint, nprocs=args.nprocs,
-            replica_id=args.replica_id or os.environ.get("SLURMD_NODENAME"), max_restarts=args.max_restarts,
-            module=args.module,
-        )  # fmt: skip
-    except ValueError as error:
-        return fail("run", error, status=2)
-    except (ImportError, RendezvousFailedError, PortTakenError) as error:
-        return fail("run", error)

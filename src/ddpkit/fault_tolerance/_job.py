@@ -1,11 +1,13 @@
-"""``ddpkit run --fault-tolerance``: this machine's replica groups, each under an elastic agent of its own.
+"""A fault-tolerant job's replica groups, each under an elastic agent of its own: ``ddpkit run --fault-tolerance``
+and ``TrainLoop.fit_distributed`` with fault tolerance.
 
-This process serves torchft's lighthouse on loopback; every replica group is a ``ddpkit run -n M`` of its
-own (``M``: the group's ranks, 1 by default), a child of this process with ``TORCHFT_LIGHTHOUSE`` and
-``REPLICA_GROUP_ID`` set, and the job's secret in ``DDPKIT_JOB_SECRET`` (the one this process was given, else
-one drawn for this job): every quorum's members prove they hold it. When a rank of a group dies, its agent
-starts the group again (``--max-restarts``) and it rejoins the quorum, while the other groups go on in their
-processes.
+This process serves torchft's lighthouse on loopback (or, on several nodes, the node whose address the
+endpoint is); every replica group is a child of this process under an elastic agent of its own, with
+``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID`` set, and the job's secret in ``DDPKIT_JOB_SECRET`` (the one
+this process was given, else one drawn for this job): every quorum's members prove they hold it. When a rank of
+a group dies, its agent starts the group again and it rejoins the quorum, while the other groups go on in
+their processes. How a group is started is the caller's (:data:`StartGroup`): ``ddpkit run -n M`` of a script
+(:func:`script_groups`), or a process whose agent runs a function (``fit_distributed``'s).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from ddpkit._backends import default_nprocs
 from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
@@ -31,19 +34,79 @@ from ddpkit.fault_tolerance._record import RECORD_VARIABLE, job_record
 from ddpkit.fault_tolerance._replica import local_address
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
 
-__all__ = ["run_node_group", "run_replica_groups", "serve_until_interrupted"]
+__all__ = [
+    "Child",
+    "StartGroup",
+    "job_shape_problems",
+    "run_node_group",
+    "run_replica_groups",
+    "script_groups",
+    "serve_until_interrupted",
+]
 
 #: Seconds the node that serves the lighthouse keeps it up, once its own group ended, while other groups heartbeat.
 AFTER_OWN_GROUP_S = 120.0
 
 
+class Child(Protocol):
+    """A started replica group's process, as ``subprocess.Popen`` has it."""
+
+    pid: int
+
+    def wait(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+
+#: How a replica group starts: ``(replica id, its ranks or None for the default, the variables to add to this
+#: process's environment)`` -> its process, whose agent starts its ranks again when one dies.
+StartGroup = Callable[[str, int | None, dict[str, str]], Child]
+
+
+def script_groups(script: str, script_args: Sequence[str], *, max_restarts: int, module: bool = False) -> StartGroup:
+    """Start each replica group as ``ddpkit run -n RANKS --max-restarts max_restarts [-m] script *script_args``."""
+
+    def start(replica_id: str, size: int | None, variables: dict[str, str]) -> Child:
+        command = [sys.executable, "-m", "ddpkit", "run", *(["-n", str(size)] if size else []),
+                   "--max-restarts", str(max_restarts), *(["-m"] if module else []), script, *script_args]  # fmt: skip
+        return subprocess.Popen(command, env={**os.environ, **variables})
+
+    return start
+
+
+def job_shape_problems(nnodes: int | str, endpoint: str | None, group_size: int, *, flags: bool) -> list[str]:
+    """What a fault-tolerant job of ``nnodes`` nodes (one replica group a node) with the lighthouse at ``endpoint``
+    and groups of ``group_size`` ranks cannot be, each naming the argument (``--nnodes`` with ``flags``, else
+    ``nnodes=``) and why: ``ddpkit run --fault-tolerance`` and ``fit_distributed`` check it alike."""
+
+    def named(name: str, value: object) -> str:
+        return f"--{name.replace('_', '-')} {value}" if flags else f"{name}={value!r}"
+
+    whole = str(nnodes).isdigit() and not isinstance(nnodes, bool)
+    several = whole and int(nnodes) > 1
+    problems = []
+    if not whole or int(nnodes) < 1:
+        problems.append(f"{named('nnodes', nnodes)} (one replica group a node: a whole number of nodes; fault "
+                        "tolerance goes on with the groups left, so MIN:MAX has no use here)")  # fmt: skip
+    if several and endpoint is None:
+        problems.append(f"{named('nnodes', nnodes)} without {'--rdzv-endpoint' if flags else 'rdzv_endpoint'} "
+                        "HOST:PORT, the same on every node: where the lighthouse listens (served by the node whose "
+                        "address HOST is, or by `ddpkit lighthouse`)")  # fmt: skip
+    if not several and endpoint is not None and str(nnodes) == "1":
+        problems.append(f"{named('rdzv_endpoint', endpoint)} (the lighthouse of a job on several nodes)")
+    if several and group_size != 1:
+        problems.append(f"{named('group_size', group_size)} (with several nodes, each node's ranks are one group)")
+    return problems
+
+
 def run_replica_groups(
-    script: str, script_args: Sequence[str], *, groups: int, max_restarts: int, module: bool = False,
-    lighthouse: str | None = None, min_replicas: int = 1, group_size: int = 1,
-) -> list[int]:  # fmt: skip
-    """Run ``groups`` replica groups of ``script`` on this machine, named ``group-0``, ``group-1``, ... (each
-    a ``ddpkit run -n group_size`` child, its ranks restarted together up to ``max_restarts`` times), with the
-    job's lighthouse on loopback in this process (or at ``lighthouse``, one that runs already). Every group gets
+    start: StartGroup, *, groups: int, lighthouse: str | None = None, min_replicas: int = 1, group_size: int = 1
+) -> list[int]:
+    """Run ``groups`` replica groups on this machine, named ``group-0``, ``group-1``, ... (each of ``group_size``
+    ranks, started by ``start``), with the job's lighthouse on loopback in this process (or at ``lighthouse``,
+    one that runs already). Every group gets
     the job secret in its environment: this process's (``DDPKIT_JOB_SECRET`` or ``--secret-file``), else one
     drawn for this job (32 random bytes), and their number (``DDPKIT_REPLICA_GROUPS``: the job's first step
     waits for them all). Returns each group's exit status (Ctrl-C or SIGTERM stops them all: 130 each).
@@ -55,19 +118,19 @@ def run_replica_groups(
     if groups < 1 or group_size < 1:
         raise ValueError(f"{groups} replica groups of {group_size} ranks: start at least one group of one rank")
     if lighthouse is not None:
-        return _run_groups(script, script_args, groups, group_size, lighthouse, max_restarts, module)
+        return _run_groups(start, groups, group_size, lighthouse)
     with serve_lighthouse("127.0.0.1", min_replicas=min_replicas) as served:
         print(f"ddpkit: torchft's lighthouse at {served.address}", file=sys.stderr, flush=True)
-        return _run_groups(script, script_args, groups, group_size, served.address, max_restarts, module)
+        return _run_groups(start, groups, group_size, served.address)
 
 
 def run_node_group(
-    script: str, script_args: Sequence[str], *, nnodes: int, endpoint: str, nprocs: int | None,
-    replica_id: str | None = None, max_restarts: int = 0, module: bool = False, min_replicas: int = 1,
+    start: StartGroup, *, nnodes: int, endpoint: str, nprocs: int | None, replica_id: str | None = None,
+    min_replicas: int = 1,
 ) -> int:  # fmt: skip
-    """This node's replica group of a fault-tolerant job of ``nnodes`` nodes, one group a node: ``ddpkit run -n
-    nprocs`` of ``script`` under an agent of its own (its ranks restarted together up to ``max_restarts`` times),
-    named ``replica_id`` (default this machine's host name), with torchft's lighthouse at ``endpoint``
+    """This node's replica group of a fault-tolerant job of ``nnodes`` nodes, one group a node: ``nprocs`` ranks
+    started by ``start`` under an agent of their own, named ``replica_id`` (default this machine's host name),
+    with torchft's lighthouse at ``endpoint``
     (under ``srun``, one task a node: the group's processes are this command's, not tasks of SLURM's),
     (``HOST:PORT``). The node whose address ``HOST`` is serves the lighthouse there (unless another process of
     this machine does already), and keeps serving it once its own group ended while other groups still
@@ -109,8 +172,7 @@ def run_node_group(
     if crowded:
         print(f"ddpkit: warning: {crowded}", file=sys.stderr, flush=True)
     try:
-        child = _start_group(script, script_args, name, nprocs, lighthouse, max_restarts, module, secret.decode(),
-                             nnodes, {CLUSTER_ENV_VARIABLE: "local"})  # fmt: skip
+        child = _start_group(start, name, nprocs, lighthouse, secret.decode(), nnodes, {CLUSTER_ENV_VARIABLE: "local"})
         warned: list[int] = []
         status = _wait([child], warned)[0]
         if status not in (0, 130) and warned:
@@ -222,43 +284,24 @@ def serve_until_interrupted(host: str, port: int, min_replicas: int = 1) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run_groups(
-    script: str, script_args: Sequence[str], groups: int, size: int, lighthouse: str, max_restarts: int,
-    module: bool,
-) -> list[int]:  # fmt: skip
+def _run_groups(start: StartGroup, groups: int, size: int, lighthouse: str) -> list[int]:
     secret = (job_secret() or new_job_secret()).decode()  # one for the whole job
     with job_record() as record:  # a group started again once another finished the job trains nothing
         more = {RECORD_VARIABLE: record}
-        children = [
-            _start_group(
-                script, script_args, f"group-{i}", size, lighthouse, max_restarts, module, secret, groups, more
-            )
-            for i in range(groups)
-        ]
+        children = [_start_group(start, f"group-{i}", size, lighthouse, secret, groups, more) for i in range(groups)]
         return _wait(children)
 
 
 def _start_group(
-    script: str,
-    script_args: Sequence[str],
-    replica_id: str,
-    size: int | None,
-    lighthouse: str,
-    max_restarts: int,
-    module: bool,
-    secret: str,
-    groups: int,
-    more: dict[str, str] | None = None,
-) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "ddpkit", "run", *(["-n", str(size)] if size else []),
-               "--max-restarts", str(max_restarts)]  # fmt: skip
-    command += ["-m"] if module else []
-    env = {**os.environ, LIGHTHOUSE_VARIABLE: lighthouse, REPLICA_ID_VARIABLE: replica_id, SECRET_VARIABLE: secret,
-           GROUPS_VARIABLE: str(groups), **(more or {})}  # fmt: skip
-    return subprocess.Popen([*command, script, *script_args], env=env)
+    start: StartGroup, replica_id: str, size: int | None, lighthouse: str, secret: str, groups: int,
+    more: dict[str, str],
+) -> Child:  # fmt: skip
+    variables = {LIGHTHOUSE_VARIABLE: lighthouse, REPLICA_ID_VARIABLE: replica_id, SECRET_VARIABLE: secret,
+                 GROUPS_VARIABLE: str(groups), **more}  # fmt: skip
+    return start(replica_id, size, variables)
 
 
-def _wait(children: list[subprocess.Popen[bytes]], warned: list[int] | None = None) -> list[int]:
+def _wait(children: list[Child], warned: list[int] | None = None) -> list[int]:
     """Wait for every group; Ctrl-C or SIGTERM here stops them all, SIGUSR1 (SLURM's warning before the
     walltime) goes on to their agents, which hand it to their ranks (and into ``warned``). Their exit statuses."""
 

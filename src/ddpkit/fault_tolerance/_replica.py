@@ -193,7 +193,7 @@ class ReplicaGroup:
         (nothing committed) and ask again, for at most ``quorum_timeout``: a group that started first would
         otherwise train alone steps that the others, once they joined, would do again. Whether they came."""
         deadline = time.monotonic() + self._quorum_timeout
-        while len(self.members) < groups and self.step == 0:
+        while self._members_or_none() < groups and self.step == 0:
             if time.monotonic() > deadline:
                 if not self._restarted:
                     log.warning(
@@ -205,6 +205,21 @@ class ReplicaGroup:
             time.sleep(0.05)
             self._manager.start_quorum()  # the quorum above is left without a commit: its step 0 stays 0
         return True
+
+    def _members_or_none(self) -> int:
+        """How many groups the quorum holds; 0 for a group started again that no quorum answers at all (the
+        lighthouse is gone with the job: asked several times, ``quorum_timeout`` each).
+
+        Raises:
+            TimeoutError: no quorum, in a group's first start (the lighthouse is not there yet, or unreachable).
+        """
+        try:
+            return len(self.members)
+        except TimeoutError:
+            if not self._restarted:
+                raise
+            log.warning("replica group %s: started again, it reaches no lighthouse that answers", self._replica_id)
+            return 0
 
     def average_gradients(self, parameters: Iterable[nn.Parameter], also: torch.Tensor | None = None) -> bool:
         """Average the gradients of ``parameters`` over the group's ranks (when it has several) and then over the

@@ -1,16 +1,20 @@
-"""What ``TrainLoop.fit_distributed``'s launchers take (:class:`Fits`) and give back (:data:`Result`)."""
+"""What ``TrainLoop.fit_distributed``'s launchers take (:class:`Fits`), run on each rank (:func:`fit_worker`) and give
+back (:data:`Result`)."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ddpkit.callbacks import Callback
+from ddpkit.checkpoint import set_rng_state
+from ddpkit.process_group import get_rank
 from ddpkit.training._state import RunState
 
-__all__ = ["Fits", "Result"]
+__all__ = ["Fits", "Result", "fit_worker"]
 
 #: What a launcher hands back: rank 0's (or the first replica group's) weights, ``None`` on a node without
 #: rank 0, and its run state.
@@ -28,3 +32,25 @@ class Fits(Protocol):
     def fit(
         self, num_epochs: int, grad_accumulation: int = 1, callbacks: list[Callback] | None = None
     ) -> dict[str, list[float]]: ...
+
+
+def fit_worker(
+    loop: Fits,
+    num_epochs: int,
+    grad_accumulation: int,
+    callbacks: list[Callback] | None,
+    every_rank: bool,
+    random_state: dict[str, Any],
+) -> tuple[RunState, dict[str, torch.Tensor] | None]:
+    """One rank of ``fit_distributed``'s job (DDP's, or a fault-tolerant replica group's): ``loop.fit`` from the
+    caller's ``random_state``; its run state, and its weights where they travel back (rank 0, or ``every_rank``
+    under a scheduler that started this process)."""
+    set_rng_state(random_state)  # as if fit ran in the caller: the same run every time
+    if every_rank and loop.ddp_handler is not None:
+        # Set up by an earlier fit in this process: start anew, as a spawned worker does with the pickled
+        # loop, which comes without its sharding and DDP wrapper (TrainLoop.__getstate__).
+        loop = pickle.loads(pickle.dumps(loop))
+    loop.fit(num_epochs, grad_accumulation, callbacks)
+    send = every_rank or get_rank() == 0  # spawned workers: only rank 0's copy travels back
+    weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if send else None
+    return loop.state, weights

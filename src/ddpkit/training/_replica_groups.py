@@ -1,47 +1,42 @@
 """``TrainLoop.fit_distributed`` with fault tolerance: each of its processes a replica group under an agent of
-its own (as ``ddpkit run --fault-tolerance``), the loop pickled to them through a private directory.
+its own (as ``ddpkit run --fault-tolerance``'s groups), through the launcher DDP's ``fit_distributed`` uses.
 
-The parent writes ``(loop, num_epochs, callbacks, random state)`` to ``loop.pickle`` in a directory only its
-user can read (``mkdtemp``), starts the groups with ``python -m ddpkit.training._replica_groups DIRECTORY``
-as their script, and reads back what each group wrote when it finished: its weights and run state, as plain
-tensors and values (loaded with ``weights_only=True``).
-
-Before the loop, the file holds what :mod:`multiprocessing`'s spawn start method hands a child to prepare it
-(``multiprocessing.spawn.get_preparation_data``: the parent's ``sys.path``, working directory and main
-module), and each group prepares itself with it (``multiprocessing.spawn.prepare``) before it unpickles the
-loop, exactly as a spawned DDP worker does: a Dataset, model or collate function defined in the user's
-script is found (the script is imported again as ``__mp_main__``, its ``if __name__ == "__main__"`` block
-not run).
+Each group is a process of multiprocessing's spawn start method, so that a Dataset, model or collate function
+defined in the user's script is found (the script is imported again as ``__mp_main__``, its ``if __name__ ==
+"__main__"`` block not run), as in a spawned DDP worker. It runs :func:`~ddpkit.launch` of ``fit`` on the
+group's ranks (``_new_processes._fit_worker``, DDP's), its agent starting them again when one dies, and sends
+back rank 0's result as DDP's workers return it (its run state and weights) through a queue: the caller takes
+the first group's that finished. A group started again after the job's end trains nothing and sends no weights.
 """
 
 from __future__ import annotations
 
 import copy
-import multiprocessing.spawn
+import multiprocessing
 import os
 import pickle
-import shutil
-import sys
-import tempfile
-from dataclasses import fields, replace
-from pathlib import Path
+import queue
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ddpkit.callbacks import Callback
-from ddpkit.checkpoint import rng_state, set_rng_state
+from ddpkit.checkpoint import rng_state
 from ddpkit.environments.replica_group import REPLICA_ID_VARIABLE
 from ddpkit.errors import WorkerFailedError
 from ddpkit.fault_tolerance import TorchFT
-from ddpkit.fault_tolerance._job import run_node_group, run_replica_groups
-from ddpkit.jobs.launch import scheduler_environment
-from ddpkit.training._launched import Fits, Result
+from ddpkit.fault_tolerance._job import Child, StartGroup, job_shape_problems, run_node_group, run_replica_groups
+from ddpkit.jobs.launch import launch, scheduler_environment
+from ddpkit.training._launched import Fits, Result, fit_worker
 from ddpkit.training._state import RunState
 
 __all__ = ["fit_replica_groups"]
 
-_LOOP_FILE = "loop.pickle"
+_SPAWN = multiprocessing.get_context("spawn")
+
+#: What a group sends back: its id, its rank 0's run state, and its weights (``None``: it trained nothing).
+_Sent = tuple[str, RunState, dict[str, torch.Tensor] | None]
 
 
 def fit_replica_groups(
@@ -59,45 +54,36 @@ def fit_replica_groups(
         WorkerFailedError: a group failed (after its restarts); no group finished.
     """
     settings = _honoured(settings, **launch_arguments)
-    directory = Path(tempfile.mkdtemp(prefix="ddpkit-replica-groups-"))
-    try:
-        groups_loop = copy.copy(loop)  # as pickled: without its set-up (TrainLoop.__getstate__)
-        # Each group takes the lighthouse and its own id from the variables its agent sets.
-        groups_loop.fault_tolerance = replace(settings, lighthouse=None, replica_id=None)
-        with open(directory / _LOOP_FILE, "wb") as handle:
-            pickle.dump(_preparation(), handle)
-            pickle.dump((groups_loop, num_epochs, callbacks, rng_state()), handle)
-        nodes, endpoint = int(launch_arguments["nnodes"]), launch_arguments["rdzv_endpoint"]
-        if nodes > 1:  # this node's group
-            statuses = [run_node_group(
-                "ddpkit.training._replica_groups", [str(directory)], nnodes=nodes, endpoint=endpoint,
-                nprocs=num_processes, replica_id=settings.replica_id, max_restarts=max_restarts, module=True,
-                min_replicas=settings.min_replicas,
-            )]  # fmt: skip
-        else:
-            statuses = run_replica_groups(
-                "ddpkit.training._replica_groups", [str(directory)], groups=num_processes, max_restarts=max_restarts,
-                module=True, lighthouse=settings.lighthouse, min_replicas=settings.min_replicas,
-            )  # fmt: skip
-        finished = sorted(directory.glob("result-*.pt"), key=lambda path: path.stat().st_mtime_ns)  # first first
-        failed = [(group, status) for group, status in enumerate(statuses) if status != 0]
-        if not failed and not finished:  # every group ended well, none with a result: it came back too late
-            raise WorkerFailedError(
-                0, 0, "this node's replica group ended without a result: started again after the job's other "
-                "groups had finished, it trained nothing (their callers, on the other nodes, have the result)",
-            )  # fmt: skip
-        if failed or not finished:
-            group, status = failed[0] if failed else (0, statuses[0])
-            name = f"group-{group}" if nodes == 1 else "of this node"
-            raise WorkerFailedError(
-                group, status, f"replica group {name} exited with status {status} after its restarts "
-                f"({len(finished)} of {len(statuses)} groups finished; their output is above)",
-                failures={g: f"exit status {s}" for g, s in failed},
-            )  # fmt: skip
-        result = torch.load(finished[0], weights_only=True)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    return result["weights"], RunState(**result["state"])
+    groups_loop = copy.copy(loop)  # as pickled: without its set-up (TrainLoop.__getstate__)
+    # Each group takes the lighthouse and its own id from the variables its process is given.
+    groups_loop.fault_tolerance = replace(settings, lighthouse=None, replica_id=None)
+    results = _Results()
+    start = _function_groups(results, groups_loop, num_epochs, callbacks, max_restarts)
+    nodes, endpoint = int(launch_arguments["nnodes"]), launch_arguments["rdzv_endpoint"]
+    if nodes > 1:  # this node's group
+        statuses = [run_node_group(start, nnodes=nodes, endpoint=endpoint, nprocs=num_processes,
+                                   replica_id=settings.replica_id, min_replicas=settings.min_replicas)]  # fmt: skip
+    else:
+        statuses = run_replica_groups(start, groups=num_processes, lighthouse=settings.lighthouse,
+                                      min_replicas=settings.min_replicas)  # fmt: skip
+    results.drain(0.0)
+    finished = [(state, weights) for _, state, weights in results.received if weights is not None]
+    failed = [(group, status) for group, status in enumerate(statuses) if status != 0]
+    if not failed and not finished:  # every group ended well, none with a result: it came back too late
+        raise WorkerFailedError(
+            0, 0, "this node's replica group ended without a result: started again after the job's other "
+            "groups had finished, it trained nothing (their callers, on the other nodes, have the result)",
+        )  # fmt: skip
+    if failed or not finished:
+        group, status = failed[0] if failed else (0, statuses[0])
+        name = f"group-{group}" if nodes == 1 else "of this node"
+        raise WorkerFailedError(
+            group, status, f"replica group {name} exited with status {status} after its restarts "
+            f"({len(finished)} of {len(statuses)} groups finished; their output is above)",
+            failures={g: f"exit status {s}" for g, s in failed},
+        )  # fmt: skip
+    state, weights = finished[0]
+    return weights, state
 
 
 def _honoured(
@@ -106,15 +92,9 @@ def _honoured(
 ) -> TorchFT:  # fmt: skip
     """``settings`` with ``timeout`` in them; a ``ValueError`` naming every other argument that the replica
     groups cannot honour, and why."""
-    refused = []
-    several = isinstance(nnodes, int) and not isinstance(nnodes, bool) and nnodes > 1
-    if not several and nnodes != 1:
-        refused.append(f"nnodes={nnodes!r} (one replica group a node: a whole number of nodes)")
-    if several and rdzv_endpoint is None:
-        refused.append(f"nnodes={nnodes} without rdzv_endpoint (the lighthouse's 'HOST:PORT', the same on every node)")
+    refused = job_shape_problems(nnodes, rdzv_endpoint, 1, flags=False)
     for name, value, default, why in (
         ("grad_accumulation", grad_accumulation, 1, "a step commits once per global batch"),
-        ("rdzv_endpoint", None if several else rdzv_endpoint, None, "the lighthouse of a job on several nodes"),
         ("rdzv_conf", rdzv_conf, None, "the groups meet at the lighthouse, not at a rendezvous"),
         ("backend", backend, None, "the groups all-reduce through torchft's gloo process group"),
         ("start_method", start_method, "spawn", "each group is a new interpreter, as with 'spawn'"),
@@ -133,29 +113,87 @@ def _honoured(
     return settings if timeout is None else replace(settings, timeout=timeout)
 
 
-def _preparation() -> dict[str, Any]:
-    """What a spawned child needs to unpickle what the parent's main module defines (its authkey left out)."""
-    data: dict[str, Any] = multiprocessing.spawn.get_preparation_data("replica-group")
-    data.pop("authkey", None)
-    return data
+class _Results:
+    """What the groups send back, in the order they finished (:attr:`received`), read while they run: a group
+    ends only once what it sent has been read (a queue's pipe holds 64 KiB)."""
+
+    def __init__(self) -> None:
+        self.queue: Any = _SPAWN.Queue()
+        self.received: list[_Sent] = []
+
+    def drain(self, timeout: float) -> None:
+        """Take what was sent, waiting up to ``timeout`` seconds for the first of it."""
+        try:
+            self.received.append(pickle.loads(self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()))
+            while True:
+                self.received.append(pickle.loads(self.queue.get_nowait()))
+        except queue.Empty:
+            return
 
 
-def _run_group(directory: Path) -> None:
-    """One replica group's process: ``fit`` the pickled loop, then write this group's result."""
-    with open(directory / _LOOP_FILE, "rb") as handle:  # written by this user's parent
-        multiprocessing.spawn.prepare(pickle.load(handle))  # the parent's sys.path, directory, main module
-        loop, num_epochs, callbacks, random_state = pickle.load(handle)
-    set_rng_state(random_state)
-    loop.fit(num_epochs, callbacks=callbacks)
-    state = {field.name: getattr(loop.state, field.name) for field in fields(RunState) if field.init}
-    state["history"] = {name: list(values) for name, values in state["history"].items()}
-    if int(os.environ.get("RANK", "0")) != 0:  # a group of several ranks: its rank 0 writes
-        return
-    weights = {name: value.detach().cpu() for name, value in loop.model.state_dict().items()}
-    target = directory / f"result-{os.environ[REPLICA_ID_VARIABLE]}.pt"
-    torch.save({"weights": weights, "state": state}, f"{target}.partial")
-    os.replace(f"{target}.partial", target)
+class _GroupProcess:
+    """A replica group's process (:class:`~ddpkit.fault_tolerance._job.Child`), reading what the groups send
+    while it waits."""
+
+    def __init__(self, process: Any, results: _Results) -> None:
+        self.process, self.results, self.pid = process, results, process.pid
+
+    def wait(self) -> int:
+        while self.process.is_alive():
+            self.results.drain(0.2)
+        self.process.join()
+        return int(self.process.exitcode)
+
+    def poll(self) -> int | None:
+        return None if self.process.is_alive() else int(self.process.exitcode)
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
 
 
-if __name__ == "__main__":
-    _run_group(Path(sys.argv[1]))
+def _function_groups(
+    results: _Results, loop: Fits, num_epochs: int, callbacks: list[Callback] | None, max_restarts: int
+) -> StartGroup:
+    """Start each group as a spawned process that launches ``loop.fit`` on its ranks (every group from this
+    process's random state, as DDP's workers)."""
+    random_state = rng_state()
+
+    def start(replica_id: str, size: int | None, variables: dict[str, str]) -> Child:
+        process = _SPAWN.Process(
+            target=_run_group, name=f"replica group {replica_id}",
+            args=(variables, size or 1, max_restarts, loop, num_epochs, callbacks, random_state, results.queue),
+        )  # fmt: skip
+        process.start()
+        return _GroupProcess(process, results)
+
+    return start
+
+
+def _run_group(
+    variables: dict[str, str], size: int, max_restarts: int, loop: Fits, num_epochs: int,
+    callbacks: list[Callback] | None, random_state: dict[str, Any], sent: Any,
+) -> None:  # fmt: skip
+    """One replica group's process: its agent runs ``fit`` on its ranks (started again when one dies); then its
+    rank 0's result goes to ``sent``."""
+    os.environ.update(variables)  # the lighthouse, the group's id, the job secret: its ranks inherit them
+    returned = launch(_fit_group, loop, num_epochs, callbacks, random_state, nprocs=size, max_restarts=max_restarts,
+                      start_method="spawn")  # fmt: skip
+    state, weights = returned[min(returned)]
+    # Pickled here, the tensors' bytes with them: through the queue itself they would go as shared memory, which
+    # this process takes away when it ends.
+    sent.put(pickle.dumps((variables[REPLICA_ID_VARIABLE], state, weights)))
+    sent.close()
+    sent.join_thread()
+
+
+def _fit_group(
+    loop: Fits, num_epochs: int, callbacks: list[Callback] | None, random_state: dict[str, Any]
+) -> tuple[RunState, dict[str, torch.Tensor] | None]:
+    """A rank of a replica group: DDP's worker; a group that finds the job finished trains nothing (its
+    driver's ``SystemExit(0)``) and returns no weights."""
+    try:
+        return fit_worker(loop, num_epochs, 1, callbacks, False, random_state)
+    except SystemExit as ended:
+        if ended.code not in (0, None):
+            raise
+        return loop.state, None
