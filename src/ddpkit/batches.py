@@ -73,8 +73,10 @@ def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
         batch: the data.
         device: target, e.g. ``"cuda:0"``, ``torch.device("cpu")`` or a CUDA index.
     """
-    target = torch.device(device)
+    target = device if isinstance(device, torch.device) else torch.device(device)
     non_blocking = target.type == "cuda"
+    if isinstance(batch, torch.Tensor):  # the common case, without the walk through containers
+        return batch if batch.device == target else batch.to(target, non_blocking=non_blocking)
     return map_tensors(batch, lambda t: t if t.device == target else t.to(target, non_blocking=non_blocking))
 
 

@@ -236,8 +236,21 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _device_of(model: nn.Module) -> torch.device | None:
-    parameter = next(model.parameters(), None)
-    if parameter is not None:
-        return parameter.device
-    buffer = next(model.buffers(), None)
-    return buffer.device if buffer is not None else None
+    """The device of ``model``'s first parameter (else first buffer), as ``next(model.parameters())`` finds it,
+    walked without generators: this runs before every forward."""
+    tensor = _first(model, "_parameters")
+    if tensor is None:
+        tensor = _first(model, "_buffers")
+    return tensor.device if tensor is not None else None
+
+
+def _first(module: nn.Module, kind: str) -> torch.Tensor | None:
+    """The first tensor of ``module``'s own ``kind`` (``_parameters`` or ``_buffers``), else its submodules', in
+    the order ``Module.named_parameters`` yields them (the module, then each submodule depth first)."""
+    for tensor in getattr(module, kind).values():
+        if tensor is not None:
+            return tensor  # type: ignore[no-any-return]
+    for child in module._modules.values():
+        if child is not None and (found := _first(child, kind)) is not None:
+            return found
+    return None

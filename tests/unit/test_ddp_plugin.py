@@ -80,6 +80,31 @@ def test_on_before_forward_moves_inputs_to_the_models_device() -> None:
     assert DDPPlugin().on_before_forward(nn.ReLU(), torch.ones(1))[0].device.type == "cpu", "no parameters: unchanged"
 
 
+def test_on_before_forward_finds_the_device_where_model_parameters_does() -> None:
+    """The device lookup runs before every forward, so it walks the modules itself: it must find the tensor
+    ``next(model.parameters())`` (else ``next(model.buffers())``) finds, however deep."""
+    from ddpkit.ddp_plugin import _device_of
+
+    class OwnFirst(nn.Module):  # its own parameter comes before its child's, whatever the registration order
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = nn.Linear(2, 2, device="meta")
+            self.scale = nn.Parameter(torch.ones(1))
+
+    models = [
+        nn.Sequential(nn.ReLU(), nn.Sequential(nn.Identity(), nn.Linear(2, 2, device="meta"))),
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta")),
+        OwnFirst(),
+        nn.Sequential(nn.ReLU(), nn.BatchNorm1d(2, affine=False, device="meta")),  # buffers only
+    ]
+    for model in models:
+        expected = next(model.parameters(), None)
+        expected = expected if expected is not None else next(model.buffers())
+        assert _device_of(model) == expected.device, model
+    assert [_device_of(model).type for model in models] == ["meta", "cpu", "cpu", "meta"]  # type: ignore[union-attr]
+    assert _device_of(nn.ReLU()) is None
+
+
 def test_single_process_helpers() -> None:
     plugin = DDPPlugin()
     assert not plugin.is_running_single_process_per_device

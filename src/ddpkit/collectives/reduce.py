@@ -22,6 +22,7 @@ and a mismatch raises :class:`~ddpkit.CollectiveMismatchError` on every rank.
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from typing import Literal
 
@@ -92,7 +93,7 @@ def sync_ddp(
     """
     op = _resolve_op(reduce_op)
     info = GroupInfo.of(group)
-    if not info.distributed:
+    if info.alone:  # no group, or a group of one: the reduction over one rank is the value itself
         return _as_tensor(result, op)
     tensor: torch.Tensor | None = None
     problem: TypeError | None = None
@@ -157,8 +158,7 @@ def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOp
     # 1. The probe: one float64 on every rank (NaN from a rank that cannot take this path). Few torch calls:
     # each costs several times its usual time right after a collective here.
     scalar = tensor is not None and op in ("sum", "mean") and tensor.numel() == 1 and _fits_float64(tensor, world_size)
-    probe = torch.tensor(tensor.item() if scalar and tensor is not None else math.nan, dtype=torch.float64,
-                         device=device)  # fmt: skip
+    probe = _probe(device).fill_(tensor.item() if scalar and tensor is not None else math.nan)
     dist.all_reduce(probe, op=ReduceOp.SUM, group=group)
     total = probe.item()
     if not math.isnan(total):
@@ -213,6 +213,18 @@ def _reduce(tensor: torch.Tensor | None, problem: TypeError | None, op: ReduceOp
             exact = native.is_floating_point() or native.is_complex()
             native = native.div_(world_size) if exact else native / world_size
         return tensor if native is tensor else tensor.copy_(native)
+
+
+_PROBES = threading.local()  # this thread's probe tensor per device (filling one costs less than making one)
+
+
+def _probe(device: torch.device) -> torch.Tensor:
+    """This thread's one-element float64 probe on ``device``, made once (its value is overwritten at each use)."""
+    probes: dict[torch.device, torch.Tensor] = getattr(_PROBES, "by_device", None) or {}
+    _PROBES.by_device = probes
+    if device not in probes:
+        probes[device] = torch.zeros((), dtype=torch.float64, device=device)
+    return probes[device]
 
 
 def _fits_float64(tensor: torch.Tensor, world_size: int) -> bool:

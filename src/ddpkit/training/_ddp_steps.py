@@ -26,6 +26,7 @@ class DDPSteps:
     """DDP's step driver (see the module docstring): ``accumulation`` batches per step, or the global batch's."""
 
     prefix = ""
+    forwarded = False  # each rank is a task of SLURM's, or under torchrun/ddpkit run inside one
     saves = True  # every rank: the checkpoint's capture gathers every rank's random state (rank 0 writes)
 
     def __init__(self, run: TrainingRun, accumulation: int) -> None:
@@ -115,7 +116,7 @@ class _FinalStep(Step):
     def __init__(self, run: TrainingRun, plan: StepPlan, unfinished: Step) -> None:
         super().__init__()
         self.run, self.plan = run, plan
-        self.sums = unfinished.sums  # the rank's batches in it, trained in the step that did not end
+        self.loss_sum, self.items = unfinished.loss_sum, unfinished.items  # its batches, trained in the step before
 
     def batches(self) -> Iterator[Batch]:
         return iter(())

@@ -52,15 +52,20 @@ class Step:
 
     def restart(self) -> None:
         """Forget what was counted."""
-        #: ``(2,)`` float64: this rank's loss sum and sample count in the step.
-        self.sums = torch.zeros(2, dtype=torch.float64)
+        #: This rank's loss sum and sample count in the step (:attr:`sums` as a tensor).
+        self.loss_sum, self.items = 0.0, 0.0
         #: Seconds of loading and forward of its batches (before the step's all-reduce), and their number.
         self.busy, self.trained = 0.0, 0
 
     def count(self, mean_loss: float, items: float, seconds: float) -> None:
         """Count a batch of ``items`` items whose mean loss was ``mean_loss``, loaded and run in ``seconds``."""
-        self.sums += torch.tensor([mean_loss * items, items], dtype=torch.float64)
+        self.loss_sum, self.items = self.loss_sum + mean_loss * items, self.items + items
         self.busy, self.trained = self.busy + seconds, self.trained + 1
+
+    @property
+    def sums(self) -> torch.Tensor:
+        """``(2,)`` float64: this rank's loss sum and sample count in the step."""
+        return torch.tensor([self.loss_sum, self.items], dtype=torch.float64)
 
     def batches(self) -> Iterator[Batch]:
         """The step's batches on this rank."""
@@ -98,6 +103,9 @@ class StepDriver(Protocol):
     prefix: str
     #: Whose times the loop's ``step_times`` holds, in order (replica groups); empty: the ranks 0, 1, ...
     timed: list[str]
+    #: Whether SLURM's signals reach this process through a command of the job's own (a replica group's node
+    #: command), not as one of SLURM's tasks (``PreemptionHandler.watching``).
+    forwarded: bool
 
     @property
     def leader(self) -> bool:

@@ -53,14 +53,18 @@ def _numeric_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _weight_norms(model: torch.nn.Module) -> torch.Tensor:
-    """``(2,)`` float64 on the CPU: the L1 norm and the squared L2 norm of ``model``'s parameters (one copy to
-    the CPU per device)."""
-    per_device: dict[torch.device, torch.Tensor] = {}
+    """``(2,)`` float64 on the CPU: the L1 norm and the squared L2 norm of ``model``'s parameters (each
+    parameter's norms in its dtype, summed in float64; one ``_foreach_norm`` per device and order)."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
     for parameter in model.parameters():
-        flat = parameter.detach()
-        norms = torch.stack([torch.linalg.vector_norm(flat, order, dtype=torch.float64) ** order for order in (1, 2)])
-        per_device[flat.device] = per_device[flat.device] + norms if flat.device in per_device else norms
-    return sum((norms.cpu() for norms in per_device.values()), torch.zeros(2, dtype=torch.float64))
+        per_device.setdefault(parameter.device, []).append(parameter.detach())
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for tensors in per_device.values():
+            l1 = torch.stack(torch._foreach_norm(tensors, 1)).double().sum()
+            l2 = torch.stack(torch._foreach_norm(tensors, 2)).double().square().sum()
+            total += torch.stack([l1, l2]).cpu()
+    return total
 
 
 class FaultTolerantSteps:
@@ -90,9 +94,8 @@ class FaultTolerantSteps:
                 "fault_tolerance deals each step's items over the replica groups in batches of the training "
                 "loader's batch_size; this loader has a batch sampler: build it with batch_size=..."
             )
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports torch.jit: only when needed
-
-        if isinstance(loop.optimizer, ZeroRedundancyOptimizer):
+        zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # not imported: none made
+        if zero is not None and isinstance(loop.optimizer, zero.ZeroRedundancyOptimizer):
             raise TypeError(
                 "fault_tolerance with a ZeroRedundancyOptimizer: its state is sharded over the group's ranks, and a "
                 "recovering group takes a peer's state while that peer trains, without a collective. Use the "
@@ -104,6 +107,8 @@ class FaultTolerantSteps:
         #: Entries of the current epoch's global order done in committed steps.
         self.position = 0
         self.prefix = ""
+        #: SLURM's signals reach a group's ranks through its node's ``ddpkit run --fault-tolerance`` and agent.
+        self.forwarded = True
         self._group: ReplicaGroup | None = None
         self._num_epochs: int | None = None  # the fit's, once its epochs began
         self._orders: dict[int, torch.Tensor] = {}

@@ -29,7 +29,6 @@ import torch
 from ddpkit._failures import StopWithoutRestart
 from ddpkit.collectives import sync_ddp
 from ddpkit.environments import detect_environment
-from ddpkit.environments.replica_group import LIGHTHOUSE_VARIABLE
 from ddpkit.process_group import get_rank
 
 __all__ = ["Preempted", "PreemptionHandler"]
@@ -73,13 +72,13 @@ class PreemptionHandler:
         return {"requeue": self.requeue, "received": 0, "active": False}
 
     @contextmanager
-    def watching(self, checkpointing: bool) -> Iterator[None]:
-        """Catch the signals meanwhile, in a SLURM task's main thread with checkpoints; else do nothing."""
+    def watching(self, checkpointing: bool, forwarded: bool = False) -> Iterator[None]:
+        """Catch the signals meanwhile, in a SLURM task's main thread with checkpoints; else do nothing.
+        ``forwarded``: a process that SLURM's signals reach through a command of the job's own, not a task of
+        SLURM's (a replica group's rank: one srun task a node runs ``ddpkit run --fault-tolerance --nnodes``,
+        which starts the ranks and passes the signals on); it watches inside any SLURM job."""
         env = detect_environment()
-        # A replica group's rank inside a SLURM job (`ddpkit run --fault-tolerance --nnodes` as one srun task a
-        # node starts the ranks itself): SLURM's signals reach it through its node's command and agent.
-        group_in_slurm = bool(os.environ.get("SLURM_JOB_ID")) and bool(os.environ.get(LIGHTHOUSE_VARIABLE))
-        slurm = env.name == "slurm" or group_in_slurm
+        slurm = env.name == "slurm" or (forwarded and bool(os.environ.get("SLURM_JOB_ID")))
         if not checkpointing or not slurm or threading.current_thread() is not threading.main_thread():
             yield
             return

@@ -169,7 +169,7 @@ class TrainingRun:
         loop.callbacks_handler.execute("on_train_begin")
         self._driver = driver
         try:
-            with loop.preemption.watching(loop.checkpoint_dir is not None), driver:
+            with loop.preemption.watching(loop.checkpoint_dir is not None, driver.forwarded), driver:
                 while loop.state.epoch < num_epochs and not loop.state.should_stop:
                     loop.callbacks_handler.execute("on_epoch_begin")
                     self._run_epoch(driver, num_epochs)
@@ -223,7 +223,7 @@ class TrainingRun:
             seconds = time.perf_counter() - began
             if batch.synced and self._forward_calls == calls and isinstance(model, DistributedDataParallel):
                 raise skipped_model_error(type(loop).training_step, loop.state, batch.index)
-            loop.recipe.backward(loss * batch.scale)
+            loop.recipe.backward(loss if batch.scale == 1.0 else loss * batch.scale)
         step.count(float(loss.detach()), batch_length(data) * batch.weight, seconds)  # padding: 0 items
 
     def _progress(self, bar: tqdm[Any] | None, driver: StepDriver, start: int, position: int, num_epochs: int
@@ -245,10 +245,9 @@ class TrainingRun:
         """The optimizer step of ``step``, then ``on_batch_end``, SLURM's signals and a checkpoint every
         ``checkpoint_every`` steps."""
         loop, state, recipe = self.loop, self.loop.state, self.loop.recipe
-        lr = recipe.learning_rate(loop.optimizer)
+        metrics = {"lr": recipe.learning_rate(loop.optimizer)} if recipe.scheduler is not None else {}
         outcome = recipe.optimizer_step(loop.optimizer, loop.model.parameters())
         loop.optimizer.zero_grad(set_to_none=True)
-        metrics = {"lr": lr} if recipe.scheduler is not None else {}
         metrics.update(step.metrics)
         if outcome.grad_norm is not None:
             metrics["grad_norm"] = outcome.grad_norm
