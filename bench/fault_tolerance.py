@@ -364,7 +364,9 @@ def trainloop_worker(kind: str, who: str, address: str, steps: int, out: str, wo
     train_set, _ = digits_datasets(seed=0)
     torch.manual_seed(0)
     model = build_model()
-    fault_tolerance = TorchFT(address, who, timeout=5.0, quorum_timeout=20.0) if kind == "ft" else None
+    # replica_groups=2: the first quorum waits for both groups (one that starts late would find the other alone)
+    settings = TorchFT(address, who, timeout=5.0, quorum_timeout=20.0, replica_groups=2)
+    fault_tolerance = settings if kind == "ft" else None
     items = _SlowItems(train_set, wait) if wait else train_set
     loop = TrainLoop(model, DataLoader(items, batch_size=32, shuffle=True, num_workers=workers),  # type: ignore[arg-type]
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.05), global_batch_size=64, progress=False,

@@ -1,13 +1,13 @@
 """ddpkit's fixed costs in microseconds: a DDP step through ``DDPPlugin`` and a ``TrainLoop`` step against a
 hand-written loop, and each public collective against the raw torch call of the same bytes, with tiny inputs.
 
-    python bench/microseconds.py [--nprocs 1] [--rounds 21] [--calls 200] [--device cpu|cuda]
+    python bench/microseconds.py [--nprocs 1,2] [--rounds 21] [--calls 200] [--device cpu|cuda]
 
-``--nprocs`` gloo ranks on loopback (``--device cuda``: NCCL, one rank per GPU). Each workload runs ``--calls``
-calls of ours and of the raw twin in alternating rounds (the order flips each round; a barrier before each
-run), so the machine's noise hits both alike; a round's time per call is the slowest rank's. Printed per
-workload: the medians over the rounds of the time per call, ``+us`` (ours minus raw) and the median of the
-paired ratios. The targets are those of the issue on fixed costs: on one rank the ``DDPPlugin`` step at most
+1 and then 2 gloo ranks on loopback (``--nprocs``; ``--device cuda``: NCCL, one rank per GPU). Each workload
+runs ``--calls`` calls of ours and of the raw twin in alternating rounds (the order flips each round; a barrier
+before each run), so the machine's noise hits both alike; a round's time per call is the slowest rank's. Printed
+per workload: the medians over the rounds of the time per call, ``+us`` (ours minus raw) and the median of the
+paired ratios. The targets are those of ddpkit's fixed-cost goals: on one rank the ``DDPPlugin`` step at most
 1.01x raw DDP and the scalar mean at most 1.10x a raw ``all_reduce``; on two ranks the small uneven gather at
 most 1.3x (``MISSED`` when a median is above its target).
 
@@ -18,6 +18,8 @@ costs show): what a short step pays (small models, RL, a fast GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import statistics
 import time
 from collections.abc import Callable
@@ -95,7 +97,8 @@ def _step_workloads(device: torch.device, calls: int) -> list[Workload]:
 
     def train_loop_epoch() -> None:
         epochs[0] += 1
-        loop.fit(epochs[0])
+        with contextlib.redirect_stdout(io.StringIO()):  # the epoch's line: one write per epoch
+            loop.fit(epochs[0])
 
     hand_model = DistributedDataParallel(_mlp().to(device), device_ids=ids)
     hand_optimizer = torch.optim.SGD(hand_model.parameters(), lr=0.01)
@@ -182,23 +185,24 @@ def measure(rounds: int, calls: int, device_type: str) -> list[tuple[str, float,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", type=int, default=1)
+    parser.add_argument("--nprocs", default="1,2", help="world sizes to measure, comma-separated (default 1,2)")
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.device == "cuda":
-        args.nprocs = min(args.nprocs, torch.cuda.device_count())
-    rows = ddpkit.launch(measure, args.rounds, args.calls, args.device, nprocs=args.nprocs, backend=backend)[0]
-    print(f"{args.nprocs} {backend} rank(s), {args.rounds} alternating rounds of {args.calls} calls; torch "
-          f"{torch.__version__}")  # fmt: skip
-    print(f"{'workload':40} {'ddpkit us':>10} {'raw us':>9} {'+us':>8} {'ratio':>6} {'target':>8}")
-    for name, ours, raw, ratio, target in rows:
-        goal = "" if target is None else f"<= {target:g}"
-        verdict = "" if target is None else ("ok" if ratio <= target else "MISSED")
-        print(f"{name:40} {ours * 1e6:10.1f} {raw * 1e6:9.1f} {(ours - raw) * 1e6:+8.1f} {ratio:6.3f} {goal:>8} "
-              f"{verdict}")  # fmt: skip
+    for number, nprocs in enumerate(int(n) for n in args.nprocs.split(",")):
+        if args.device == "cuda":
+            nprocs = min(nprocs, torch.cuda.device_count())
+        rows = ddpkit.launch(measure, args.rounds, args.calls, args.device, nprocs=nprocs, backend=backend)[0]
+        print(f"{chr(10) if number else ''}{nprocs} {backend} rank(s), {args.rounds} alternating rounds of "
+              f"{args.calls} calls; torch {torch.__version__}")  # fmt: skip
+        print(f"{'workload':40} {'ddpkit us':>10} {'raw us':>9} {'+us':>8} {'ratio':>6} {'target':>8}")
+        for name, ours, raw, ratio, target in rows:
+            goal = "" if target is None else f"<= {target:g}"
+            verdict = "" if target is None else ("ok" if ratio <= target else "MISSED")
+            print(f"{name:40} {ours * 1e6:10.1f} {raw * 1e6:9.1f} {(ours - raw) * 1e6:+8.1f} {ratio:6.3f} "
+                  f"{goal:>8} {verdict}".rstrip())  # fmt: skip
 
 
 if __name__ == "__main__":

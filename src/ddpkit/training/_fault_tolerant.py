@@ -132,8 +132,7 @@ class FaultTolerantSteps:
         """
         run.setup(None)  # the sampler gives each epoch's order; the steps deal it
         assert run.loop.global_batch is not None
-        dealer = run.epochs.source.deal_every_item("fault_tolerance")
-        dealer.num_replicas, dealer.rank = 1, 0  # every rank of a group draws the epoch's whole order: steps deal it
+        dealer = run.epochs.source.whole_order("fault_tolerance")  # every rank of a group draws it: steps deal it
         return cls(run, settings, run.loop.global_batch.size, dealer)
 
     # --- the state a recovering group takes --------------------------------------------------------

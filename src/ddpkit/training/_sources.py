@@ -49,6 +49,16 @@ class EpochSource(Protocol):
             TypeError: its sampler is not ddpkit's :class:`~ddpkit.DistributedSamplerWrapper`.
         """
 
+    def whole_order(self, needed_by: str) -> DistributedSamplerWrapper:
+        """A new sampler of each epoch's whole global order (one replica, every item once, no padding), built
+        beside the training sampler from what it wraps, its shuffle and its seed, for ``needed_by`` (a driver
+        that deals each step's items itself); the training sampler is left as it is.
+
+        Raises:
+            ValueError: the data has no global order (a stream), or its loader drops its last batch.
+            TypeError: its sampler is not ddpkit's :class:`~ddpkit.DistributedSamplerWrapper`.
+        """
+
     def seek(self, position: int) -> None:
         """Start the next epoch after ``position`` entries of its global order (0: at its beginning)."""
 
@@ -125,13 +135,24 @@ class SampledEpochs:
 
     def deal_every_item(self, needed_by: str) -> DistributedSamplerWrapper:
         wrapper = self.wrapper(needed_by)
+        self._refuse_drop_last(needed_by)
+        wrapper.drop_last, wrapper.even_shards = False, False
+        return wrapper
+
+    def whole_order(self, needed_by: str) -> DistributedSamplerWrapper:
+        trained = self.wrapper(needed_by)
+        self._refuse_drop_last(needed_by)
+        return DistributedSamplerWrapper(
+            trained.sampler, num_replicas=1, rank=0, shuffle=trained.shuffle, seed=trained.seed, drop_last=False,
+            even_shards=False, check_order=trained.check_order,
+        )  # fmt: skip
+
+    def _refuse_drop_last(self, needed_by: str) -> None:
         if self.loader.drop_last:
             raise ValueError(
                 f"{needed_by} uses every training item once per epoch: build the training DataLoader with "
                 "drop_last=False"
             )
-        wrapper.drop_last, wrapper.even_shards = False, False
-        return wrapper
 
     def seek(self, position: int) -> None:
         if position:
@@ -176,6 +197,9 @@ class StreamedEpochs:
             f"{needed_by} needs a training set with a global order (a map-style dataset); a stream has none. Use "
             "grad_accumulation with a stream"
         )
+
+    def whole_order(self, needed_by: str) -> DistributedSamplerWrapper:
+        return self.deal_every_item(needed_by)
 
     def seek(self, position: int) -> None:
         """Nothing: a resumed epoch's items taken are skipped by the stream itself (:meth:`skip`)."""
