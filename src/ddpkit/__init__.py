@@ -57,6 +57,7 @@ from ddpkit.errors import (
     WarningDDP,
     WorkerFailedError,
 )
+from ddpkit.fsdp_plugin import FSDPPlugin
 
 # Through the module ddpkit.launch, so that it is loaded now and ``ddpkit.launch`` stays the function
 # (a first ``import ddpkit.launch`` later would set the attribute to the module).
@@ -105,6 +106,7 @@ __all__ = [
     "DistributedSamplerSetEpoch",
     "DistributedSamplerWrapper",
     "EarlyStopping",
+    "FSDPPlugin",
     "GroupProofError",
     "HangError",
     "JobSecretError",

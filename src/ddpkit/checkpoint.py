@@ -7,6 +7,13 @@ previous checkpoint whole. Checkpoints load with ``torch.load(...,
 weights_only=True)``: RNG states are stored as tensors, ints and strings, so
 nothing needs unpickling. What a ``TrainLoop`` checkpoint holds is
 ``ddpkit.training.TrainState``.
+
+A sharded model's weights and optimizer state (``FSDPPlugin``) go to a directory
+beside the file, in torch's own format (``torch.distributed.checkpoint``, which
+reshards them for any world size): every rank writes its shards into a
+temporary directory, rank 0 renames it into place, and only then does the
+file that names it replace the previous one. A directory no file names is a
+write that did not finish (or an older checkpoint's), removed by the next write.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import contextlib
 import glob
 import os
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -23,11 +31,23 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_FILE", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
+__all__ = [
+    "CHECKPOINT_FILE",
+    "SHARDED_SUFFIX",
+    "load_checkpoint",
+    "load_sharded",
+    "remove_unnamed_sharded",
+    "rng_state",
+    "save_checkpoint",
+    "save_sharded",
+    "set_rng_state",
+]
 
 #: The file name of the latest checkpoint in a checkpoint directory.
 CHECKPOINT_FILE = "last.pt"
 _TEMPORARY_SUFFIX = ".tmp"
+#: How a sharded checkpoint's directory name ends.
+SHARDED_SUFFIX = ".dcp"
 #: Seconds after which a temporary file nobody changed counts as a killed writer's (removed by the next write).
 STALE_AFTER_S = 600.0
 
@@ -80,6 +100,60 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.devi
     """
     state: dict[str, Any] = torch.load(path, map_location=map_location, weights_only=True)
     return state
+
+
+def save_sharded(state: dict[str, Any], directory: str | os.PathLike[str], name: str) -> Path:
+    """Write ``state`` (tensors and ``DTensor`` shards, e.g. ``get_state_dict``'s) as the sharded checkpoint
+    ``directory / name`` with ``torch.distributed.checkpoint`` (every rank calls it, with the same ``name``).
+
+    Every rank writes its shards into ``.<name>.tmp``; once all have (torch's
+    save ends with a collective), rank 0 renames it to ``name``. Nothing names
+    the new directory yet: the caller's checkpoint file does, written after.
+
+    Returns:
+        The directory's path.
+
+    Raises:
+        OSError, or torch's ``CheckpointException`` naming each rank's error: the write failed on some rank
+        (every rank raises).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    target = Path(directory) / name
+    temporary = target.with_name(f".{name}{_TEMPORARY_SUFFIX}")
+    dcp.save(state, checkpoint_id=temporary, no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if target.exists():  # the same step written again (a run restarted from an older checkpoint)
+            shutil.rmtree(target)
+        os.replace(temporary, target)
+        _fsync_directory(target.parent)
+    return target
+
+
+def load_sharded(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Fill ``state`` in place from the sharded checkpoint at ``path`` (:func:`save_sharded`), resharded for
+    this process's shards: ``state`` holds what to load, shaped as this run holds it (every rank calls it).
+
+    Raises:
+        FileNotFoundError: there is no sharded checkpoint at ``path``.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not (Path(path) / ".metadata").exists():
+        raise FileNotFoundError(f"no sharded checkpoint at {path} (its .metadata is missing)")
+    dcp.load(state, checkpoint_id=Path(path), no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
+
+
+def remove_unnamed_sharded(directory: str | os.PathLike[str], keep: str | None) -> None:
+    """Remove the sharded checkpoints in ``directory`` other than ``keep`` (the one the checkpoint file names),
+    and unfinished ones (from one process, after the file that names ``keep`` is in place)."""
+    for path in Path(directory).iterdir():
+        finished = path.name.endswith(SHARDED_SUFFIX) and path.name != keep
+        unfinished = path.name.startswith(".") and path.name.endswith(SHARDED_SUFFIX + _TEMPORARY_SUFFIX)
+        if (finished or unfinished) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def rng_state() -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
 from ddpkit.batches import iter_tensors, move_data_to_device
+from ddpkit.checkpoint import load_sharded
 from ddpkit.process_group import (
     SupportsClusterEnvironment,
     SupportsMainAddress,
@@ -46,6 +48,10 @@ class DDPPlugin:
         >>> plugin = DDPPlugin(gradient_as_bucket_view=True)
         >>> model = plugin.configure_ddp(model, device_ids=None)   # CPU; [local_rank] on a GPU
     """
+
+    #: Whether every forward and backward is a collective that every rank must run as often as the others (a
+    #: sharded model's, ``FSDPPlugin``); DDP's forwards are each rank's own.
+    forwards_together = False
 
     def __init__(self, **kwargs: Any) -> None:
         self._ddp_kwargs: dict[str, Any] = kwargs
@@ -152,6 +158,38 @@ class DDPPlugin:
             optimizer.consolidate_state_dict(to=0)
             return optimizer.state_dict() if get_rank() == 0 else {}
         return optimizer.state_dict()
+
+    def checkpoint_state(
+        self, model: nn.Module, optimizer: Optimizer, directory: Path, name: str
+    ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+        """What a checkpoint holds of the model and its optimizer: ``(weights, optimizer state, sharded)``, the
+        model's ``state_dict()`` and :meth:`optimizer_state` (every rank calls it), ``sharded`` ``None``: they go
+        in the checkpoint file. (``FSDPPlugin`` writes its shards to ``directory / name`` and says so.)"""
+        return unwrap_model(model).state_dict(), self.optimizer_state(optimizer), None
+
+    def load_checkpoint_state(
+        self, model: nn.Module, optimizer: Optimizer, weights: dict[str, Any], optimizer_state: dict[str, Any],
+        sharded: Path | None,
+    ) -> None:  # fmt: skip
+        """Load a checkpoint's weights and optimizer state (what :meth:`checkpoint_state` gave): from the file,
+        or, for a checkpoint of a sharded run (``sharded``: its directory), each whole tensor read from its
+        shards (every rank calls it)."""
+        module = unwrap_model(model)
+        if sharded is None:
+            module.load_state_dict(weights)
+            optimizer.load_state_dict(optimizer_state)
+            return
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        current_weights, current_optimizer = get_state_dict(module, optimizer)
+        state: dict[str, Any] = {"model": current_weights, "optimizer": current_optimizer}
+        load_sharded(state, sharded)
+        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's whole weights, on the CPU (a copy of the unwrapped model's ``state_dict()``). Every rank
+        gets them (``FSDPPlugin``'s must be called on every rank, and only rank 0 gets them)."""
+        return {name: value.detach().cpu().clone() for name, value in unwrap_model(model).state_dict().items()}
 
     def on_after_setup_optimizers(self, trainer: object) -> None:
         """Called after the optimizers are set up: a place for RPC configuration or state sharding. Does nothing."""

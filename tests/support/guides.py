@@ -47,6 +47,11 @@ RUNS: dict[tuple[str, int], dict[str, Any]] = {
     },
     # what ddpkit detects (JSON), then the doctor's table over 2 ranks
     ("installation.md", 1): {"expect": r"\"environment\": \"local\"(.|\n)*size/rank: bytes of the result on each rank"},
+    # 2 ranks train 2 epochs and checkpoint; 3 ranks go on to epoch 3; one process trains the 3: the same accuracy
+    ("sharded.md", 0): {
+        "expect": r"^2 ranks, 2 epochs: (.|\n)*^3 ranks, 3 epochs: validation accuracy (0\.\d{4}); rank 0 holds \d+ of "
+        r"(\d+) bytes(.|\n)*^1 rank, 3 epochs: validation accuracy \2; rank 0 holds \3 of \3 bytes",
+    },
     ("launching.md", 0): {"expect": r"2 ranks, 3 epochs: validation accuracy 0\.9(.|\n)*\"world_size\""},
     ("elastic.md", 0): {
         # a free port, the test's own folder, and 2 of the 20 epochs (which leave time to stop and add a node)

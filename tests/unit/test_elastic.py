@@ -79,8 +79,10 @@ def test_a_checkpoint_of_ddpkit_0_1_resumes_at_its_batch(tmp_path: Path) -> None
     with pytest.raises(KeyboardInterrupt):
         loop(tmp_path / "new").fit(1, callbacks=[StopAfter(6)])  # the checkpoint of step 5 stays
     state = load_checkpoint(tmp_path / "new" / CHECKPOINT_FILE)
-    assert (state.pop("version"), state["position"], state.pop("stream")) == (4, 5 * 32, None)
-    assert (state.pop("recipe"), state.pop("skipped_steps")) == ({}, 0), "fields that version 1 lacks"
+    assert (state.pop("version"), state["position"], state.pop("stream")) == (5, 5 * 32, None)
+    assert (state.pop("recipe"), state.pop("skipped_steps"), state.pop("sharded")) == ({}, 0, None), (
+        "fields that version 1 lacks"
+    )
     state["batch"] = state.pop("position") // 32
     save_checkpoint({"version": 1, **state}, tmp_path / "old" / CHECKPOINT_FILE)
     new, old = loop(tmp_path / "new"), loop(tmp_path / "old")

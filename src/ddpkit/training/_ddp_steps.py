@@ -5,6 +5,7 @@ of a step's last batch (``grad_accumulation`` batches per step, or the global ba
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 
 from ddpkit.checkpoint import rng_state
 from ddpkit.collectives import all_gather_object, mp_sync, sync_ddp
-from ddpkit.process_group import get_rank
+from ddpkit.process_group import get_rank, is_distributed
 from ddpkit.training._driver import Batch, CommittedStep, Step
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._steps import StepPlan, average_gradients
@@ -53,12 +54,19 @@ class DDPSteps:
         done = position // epochs.entries_per_round  # this rank's batches before the position
         self._busy, self._batches = 0.0, 0
         batches = enumerate(epochs.source.training_batches())
+        together = loop.plugin.forwards_together and is_distributed()  # a sharded model's forwards
         step: Step = Step()
         while (first := next(batches, None)) is not None:
+            if together and plan.in_final_step(first[0]):
+                break
             step = _ShardStep(self.run, plan, first, batches, done)
             yield step
             self._busy, self._batches = self._busy + step.busy, self._batches + step.trained
-        if plan.final_step:  # a last, smaller step of a global batch: not every rank had a batch in it
+        if plan.final_step and together:  # every rank as many batches, the last one reduces
+            step = _FinalStepTogether(self.run, plan, first, batches, done)
+            yield step
+            self._busy, self._batches = self._busy + step.busy, self._batches + step.trained
+        elif plan.final_step:  # a last, smaller step of a global batch: not every rank had a batch in it
             unfinished = step if isinstance(step, _ShardStep) and not step.position else Step()
             yield _FinalStep(self.run, plan, unfinished)
 
@@ -123,4 +131,32 @@ class _FinalStep(Step):
 
     def commit(self) -> CommittedStep:
         average_gradients(self.run.loop.model.parameters())
+        return CommittedStep(self.plan.end_position(), self.sums, self.run.loop.preemption.agreed_signal())
+
+
+class _FinalStepTogether(Step):
+    """A global batch's last, smaller step when every forward is a collective (a sharded model): each rank
+    runs as many batches as the rank with the most in it, its own and then ones that count nothing (the
+    split's first item, loss scaled by 0), and the last one's backward reduces the gradients."""
+
+    def __init__(self, run: TrainingRun, plan: StepPlan, first: _Numbered | None, rest: Iterator[_Numbered],
+                 done: int) -> None:  # fmt: skip
+        super().__init__()
+        self.run, self.plan, self.first, self.rest, self.done = run, plan, first, rest, done
+
+    def batches(self) -> Iterator[Batch]:
+        plan, count = self.plan, self.plan.final_batches()
+        own = itertools.chain([self.first] if self.first is not None else [], self.rest)
+        for number in range(count):
+            numbered = next(own, None)
+            if numbered is None:  # this rank's batches ran out: one that counts nothing
+                data = self.run.epochs.source.first_batch()
+                yield Batch(data, 0.0, 0.0, None, number == count - 1, self.done)
+                continue
+            index, (data, weight, _) = numbered
+            yield Batch(data, weight / plan.divisor(index), weight, plan.batch_seed(index), number == count - 1,
+                        self.done + index)  # fmt: skip
+
+    def commit(self) -> CommittedStep:
+        """The last batch's backward reduced the gradients; the ranks agree on SLURM's signals."""
         return CommittedStep(self.plan.end_position(), self.sums, self.run.loop.preemption.agreed_signal())

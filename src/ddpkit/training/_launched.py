@@ -33,6 +33,8 @@ class Fits(Protocol):
         self, num_epochs: int, grad_accumulation: int = 1, callbacks: list[Callback] | None = None
     ) -> dict[str, list[float]]: ...
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+
 
 def fit_worker(
     loop: Fits,
@@ -52,5 +54,6 @@ def fit_worker(
         loop = pickle.loads(pickle.dumps(loop))
     loop.fit(num_epochs, grad_accumulation, callbacks)
     send = every_rank or get_rank() == 0  # spawned workers: only rank 0's copy travels back
-    weights = {k: v.detach().cpu() for k, v in loop.model.state_dict().items()} if send else None
+    full = loop.full_state_dict()  # every rank: a sharded model's are gathered
+    weights = full if send else None
     return loop.state, weights

@@ -53,7 +53,8 @@ class TrainLoop:
         optimizer: default ``torch.optim.Adam(model.parameters())`` (learning rate 1e-3).
         criterion: the loss; default ``nn.CrossEntropyLoss()``.
         device: default ``cuda:<local rank>`` when CUDA is available, else CPU.
-        plugin: the :class:`~ddpkit.DDPPlugin` that wraps the model (default ``DDPPlugin()``).
+        plugin: the :class:`~ddpkit.DDPPlugin` that wraps the model (default ``DDPPlugin()``), or an
+            :class:`~ddpkit.FSDPPlugin` that shards it (weights, gradients and optimizer state ``1/W`` per rank).
         checkpoint_dir: where to write checkpoints (``last.pt``, atomically) and
             resume from: a run started with a directory that holds one continues at
             the exact batch, with model, optimizer, sampler epochs and every rank's
@@ -197,6 +198,18 @@ class TrainLoop:
         self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
         self.device = torch.device(device) if device is not None else rank_device()
         self.plugin = plugin if plugin is not None else DDPPlugin()
+        if self.fault_tolerance is not None and self.plugin.forwards_together:
+            raise ValueError(
+                f"fault_tolerance with {type(self.plugin).__name__}: a sharded model's replica groups are not "
+                "supported yet (each group would shard over its own ranks and average its gradient shards across "
+                "the quorum); train a sharded model without fault_tolerance, or use DDPPlugin with it"
+            )
+        if precision == "16-mixed" and self.plugin.forwards_together:
+            raise ValueError(
+                f"precision='16-mixed' with {type(self.plugin).__name__}: fp16's gradient scaler would look for inf "
+                "in each rank's shard of the gradients alone, and ranks could disagree on skipping a step; use "
+                "precision='bf16-mixed' (no scaler needed)"
+            )
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.seed = seed
@@ -371,6 +384,16 @@ class TrainLoop:
         if weights is not None:  # this node ran rank 0 (or a replica group finished)
             self.model.load_state_dict(weights)
         return dict(self.state.history)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's whole weights on the CPU, ``state_dict()``'s names (for export or a one-process copy).
+
+        With a sharded model (:class:`~ddpkit.FSDPPlugin`) every rank must call it (the
+        shards are gathered) and rank 0 gets them, the others ``{}``; otherwise every rank
+        gets its model's. Through :meth:`fit_distributed` this process's ``model`` holds
+        them already.
+        """
+        return self.plugin.full_state_dict(self.model)
 
     def plot_history(self, path: str | Path) -> Path:
         """Write a PNG of every curve of :attr:`history` (losses in one panel); its path.

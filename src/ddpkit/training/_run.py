@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from ddpkit.batches import batch_length
 from ddpkit.callbacks import CallbacksHandler
-from ddpkit.checkpoint import CHECKPOINT_FILE
+from ddpkit.checkpoint import CHECKPOINT_FILE, SHARDED_SUFFIX
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT
@@ -110,7 +110,8 @@ class TrainingRun:
         """``(predictions, targets)`` of every item of ``loader``'s split once, in its order (every rank)."""
         ensure_dist_connection()
         self.loop.model.to(self.loop.device)
-        return predict_in_order(self.loop.model, loader, self.predict, self.loop.batch_to_device)
+        together = self.loop.plugin.forwards_together and is_distributed()  # a sharded model's forwards
+        return predict_in_order(self.loop.model, loader, self.predict, self.loop.batch_to_device, together)
 
     def _end_epoch_recipe(self) -> None:
         """The epoch's learning rate and skipped steps into the history, then a per-epoch scheduler's step."""
@@ -288,20 +289,25 @@ class TrainingRun:
     def _save_checkpoint(self, position: int) -> None:
         """Write a :class:`~ddpkit.training.TrainState` after ``position`` entries of this epoch (every rank)."""
         assert self.loop.checkpoint_dir is not None
-        self.capture(position).write(self.loop.checkpoint_dir / CHECKPOINT_FILE)
+        self.capture(position, directory=self.loop.checkpoint_dir).write(self.loop.checkpoint_dir / CHECKPOINT_FILE)
 
-    def capture(self, position: int, driver: StepDriver | None = None) -> TrainState:
+    def capture(self, position: int, driver: StepDriver | None = None, directory: Path | None = None) -> TrainState:
         """The run after ``position`` entries of this epoch: a checkpoint's content, and what a fault-tolerant
         replica group hands a recovering peer (every rank calls it; ``driver``: the run's, by default the one
         training now). What ``driver.gathered`` costs: DDP's gather every rank's random state and sum their
-        losses; a replica group's, nothing."""
+        losses; a replica group's, nothing. A sharded model's weights and optimizer state are written to a
+        directory in ``directory`` (a checkpoint's), which the state names."""
         loop, driver = self.loop, driver if driver is not None else self._driver
         assert driver is not None, "capture() while it trains, or with its driver"
         rngs, sums = driver.gathered(position)
+        name = f"last-e{loop.state.epoch}-s{loop.state.global_step}-p{position}{SHARDED_SUFFIX}"
+        weights, optimizer, sharded = loop.plugin.checkpoint_state(
+            loop.model, loop.optimizer, directory if directory is not None else Path("."), name
+        )
         return TrainState.capture(
-            loop.state, position, self.epochs, model=loop.model.state_dict(),
-            optimizer=loop.plugin.optimizer_state(loop.optimizer), callbacks=loop.callbacks_handler.state_dicts(),
-            seed=loop.seed, recipe=loop.recipe.state_dict(), rngs=rngs, epoch_sums=sums,
+            loop.state, position, self.epochs, model=weights, optimizer=optimizer,
+            callbacks=loop.callbacks_handler.state_dicts(), seed=loop.seed, recipe=loop.recipe.state_dict(),
+            rngs=rngs, epoch_sums=sums, sharded=sharded,
         )  # fmt: skip
 
     def resume(self, num_epochs: int) -> bool:
@@ -311,18 +317,21 @@ class TrainingRun:
         path = directory / CHECKPOINT_FILE if directory is not None else None
         if path is None or not path.exists():
             return False
-        self.restore(TrainState.load(path, map_location=self.loop.device))
+        self.restore(TrainState.load(path, map_location=self.loop.device), directory)
         if get_rank() == 0:
             line = resume_line(self.loop.state, directory, num_epochs)
             tqdm.write(f"{line}\n", end="")  # one write: other groups' lines may share the stream
             log.info(line)
         return True
 
-    def restore(self, saved: TrainState) -> None:
-        """Put the run where ``saved`` was (a checkpoint, or a healthy replica group's state; every rank)."""
+    def restore(self, saved: TrainState, directory: Path | None = None) -> None:
+        """Put the run where ``saved`` was (a checkpoint in ``directory``, or a healthy replica group's state;
+        every rank)."""
         loop = self.loop
-        loop.model.load_state_dict(saved.model)
-        loop.optimizer.load_state_dict(saved.optimizer)
+        sharded = directory / saved.sharded if directory is not None and saved.sharded is not None else None
+        if saved.sharded is not None and sharded is None:
+            raise ValueError(f"the state's weights are in the sharded checkpoint {saved.sharded!r}: give its directory")
+        loop.plugin.load_checkpoint_state(loop.model, loop.optimizer, saved.model, saved.optimizer, sharded)
         loop.callbacks_handler.load_state_dicts(saved.callbacks)
         loop.recipe.load_state_dict(saved.recipe)
         saved.restore(loop.state, self.epochs, keeps_steps=loop.global_batch is not None)

@@ -15,11 +15,12 @@ import os
 import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, overload
 
 import torch
 
-from ddpkit.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from ddpkit.checkpoint import load_checkpoint, remove_unnamed_sharded, save_checkpoint, set_rng_state
 from ddpkit.errors import DDPKitError
 from ddpkit.hangs._watchdog import paused
 from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
@@ -156,11 +157,15 @@ class TrainState:
         recipe: the learning-rate scheduler's and fp16 gradient scaler's
             states (``lr_scheduler``, ``grad_scaler``), when the run has them.
         skipped_steps: optimizer steps fp16's scaler skipped so far.
+        sharded: for a sharded model (``FSDPPlugin``), the name of the directory
+            beside the checkpoint file that holds the weights and the optimizer
+            state (``torch.distributed.checkpoint``'s format; ``model`` and
+            ``optimizer`` are then empty); ``None`` when they are in the file.
     """
 
-    #: The layout of the fields; versions 1 (ddpkit 0.1), 2 (without ``stream``) and 3 (without ``recipe``,
-    #: ``skipped_steps``) are read too, others refused.
-    VERSION: ClassVar[int] = 4
+    #: The layout of the fields; versions 1 (ddpkit 0.1), 2 (without ``stream``), 3 (without ``recipe``,
+    #: ``skipped_steps``) and 4 (without ``sharded``) are read too, others refused.
+    VERSION: ClassVar[int] = 5
 
     model: dict[str, Any]
     optimizer: dict[str, Any]
@@ -177,17 +182,19 @@ class TrainState:
     stream: list[Any] | None = None
     recipe: dict[str, Any] = field(default_factory=dict)
     skipped_steps: int = 0
+    sharded: str | None = None
 
     @classmethod
     def capture(
         cls, run: RunState, position: int, epochs: TrainingEpochs, *, model: dict[str, Any],
         optimizer: dict[str, Any], callbacks: dict[str, dict[str, Any]], seed: int, recipe: dict[str, Any],
-        rngs: list[dict[str, Any]], epoch_sums: torch.Tensor,
+        rngs: list[dict[str, Any]], epoch_sums: torch.Tensor, sharded: str | None = None,
     ) -> TrainState:  # fmt: skip
         """The state of ``run`` after ``position`` entries of its current epoch's global order (``epochs``: the
         training loader's), with the given weights, optimizer, callback, scheduler and scaler states, random
         states (``rngs``, by rank) and every process's loss sums in the epoch's steps since it began or resumed
-        (``epoch_sums``, ``(2,)`` float64). No collective but a stream's (which items every rank has taken).
+        (``epoch_sums``, ``(2,)`` float64) and, for a sharded model, the directory its weights and optimizer
+        state were written to (``sharded``). No collective but a stream's (which items every rank has taken).
         """
         stream = epochs.source.taken() if position else None
         sums = epoch_sums.cpu() + run.resumed_sums if position else _sums()
@@ -195,7 +202,7 @@ class TrainState:
             model=model, optimizer=optimizer, epoch=run.epoch, position=position, epoch_sums=sums,
             global_step=run.global_step, seed=seed, world_size=get_world_size(), rng=rngs,
             history={name: list(values) for name, values in run.history.items()}, callbacks=callbacks, stream=stream,
-            recipe=recipe, skipped_steps=run.skipped_steps,
+            recipe=recipe, skipped_steps=run.skipped_steps, sharded=sharded,
         )  # fmt: skip
 
     def restore(self, run: RunState, epochs: TrainingEpochs, *, keeps_steps: bool) -> None:
@@ -255,8 +262,10 @@ class TrainState:
             raise ValueError(f"{source} is not a TrainLoop checkpoint: {exc}") from None
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write it atomically (:func:`~ddpkit.save_checkpoint`); from one process."""
+        """Write it atomically (:func:`~ddpkit.save_checkpoint`), then remove the sharded checkpoints beside it
+        that it does not name; from one process."""
         save_checkpoint(self.to_dict(), path)
+        remove_unnamed_sharded(Path(path).parent, self.sharded)
 
     def write(self, path: str | os.PathLike[str]) -> None:
         """:meth:`save` on rank 0, with every rank told whether it could (every rank calls it).

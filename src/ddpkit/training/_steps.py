@@ -64,6 +64,12 @@ class StepPlan(Protocol):
     def end_position(self) -> int:
         """Entries of the epoch's global order done once the final step is done."""
 
+    def in_final_step(self, index: int) -> bool:
+        """Whether batch ``index`` belongs to the final step."""
+
+    def final_batches(self) -> int:
+        """The most batches any rank has in the final step (0 without one)."""
+
 
 @dataclass(frozen=True)
 class Accumulation:
@@ -112,6 +118,14 @@ class Accumulation:
     def end_position(self) -> int:
         """Never asked: there is no final step."""
         raise AssertionError("Accumulation has no final step")
+
+    def in_final_step(self, index: int) -> bool:
+        """Never: there is no final step."""
+        return False
+
+    def final_batches(self) -> int:
+        """0: there is no final step."""
+        return 0
 
 
 @dataclass(frozen=True)
@@ -227,6 +241,18 @@ class GlobalSteps:
         """The epoch's entry count: the final step ends it."""
         return self.end
 
+    def in_final_step(self, index: int) -> bool:
+        """Whether batch ``index`` comes after the full steps."""
+        return self.final_step and index // self.accumulation >= self.full_steps
+
+    def final_batches(self) -> int:
+        """The most batches any rank has in the final step (0 without one)."""
+        if not self.final_step:
+            return 0
+        full = self.full_steps * self.accumulation
+        ranks = range(self.layout.world_size)
+        return max(math.ceil(self.layout.shard_length(r) / self.entries_per_batch) - full for r in ranks)
+
     def _items_of_step(self, step: int) -> int:
         if step not in self._step_items:
             low = self.start + step * self.entries_per_step
@@ -334,3 +360,9 @@ class _DealtSteps:
 
     def end_position(self) -> int:
         return self.steps.end_position()
+
+    def in_final_step(self, index: int) -> bool:
+        return self.steps.in_final_step(index)
+
+    def final_batches(self) -> int:
+        return self.steps.final_batches()

@@ -1,0 +1,164 @@
+"""Sharded training (``FSDPPlugin``, torch's FSDP2) under TrainLoop on the ranks of the session pool: the same
+result as one process on 2 and 3 ranks, each rank holding its shard; checkpoints resumed on another world size;
+clipping, bf16, accumulation; the optimizer on the shards; what is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit import FSDPPlugin, TrainLoop
+from ddpkit.testing import run_parallel
+from tests.helpers import StopAfter
+from tests.support.sharded import Stack, fit_sharded, max_difference, sharded_loop
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, object]:
+    return fit_sharded(2)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_training_equals_one_process_and_each_rank_holds_its_shard(
+    world_size: int, one_process: dict[str, object]
+) -> None:
+    results = run_parallel(fit_sharded, 2, world_size=world_size, timeout=180)
+    first = results[0]
+    assert max_difference(first["weights"], one_process["weights"]) < TOLERANCE
+    # DDP on as many ranks: the same sums in the same order (a rank with no batch in the last step runs one that
+    # counts nothing where DDP's skips its forward), so the same numbers up to the reduction's order
+    ddp = run_parallel(fit_sharded, 2, sharded=False, world_size=world_size, timeout=180)[0]
+    assert max_difference(first["weights"], ddp["weights"]) <= (0.0 if world_size == 2 else 1e-6)
+    assert first["history"]["train_loss"] == pytest.approx(one_process["history"]["train_loss"], rel=1e-5)
+    assert first["history"]["validation_loss"] == pytest.approx(one_process["history"]["validation_loss"], rel=1e-5)
+    assert all(r["weights"] == {} for r in results[1:]), "only rank 0 gets the whole weights"
+    for name, (local, whole) in first["shards"].items():
+        rows = next(iter(one_process["weights"][name].shape))
+        assert local == -(-rows // world_size) * whole // rows, f"{name}: rank 0 holds its rows of the weight"
+    held = sum(r["memory"]["parameters"] for r in results)
+    assert held == sum(w.numel() * 4 for w in one_process["weights"].values()), "the shards add up to the model"
+    assert results[0]["memory"]["optimizer"] < 0.6 * one_process["memory"]["optimizer"]
+
+
+def test_a_sharded_checkpoint_of_two_ranks_resumes_mid_epoch_on_three(tmp_path: Path, one_process: dict) -> None:
+    # 193 items, 24 a step: 9 steps an epoch (the last of 1 item); step 12 is 72 items into epoch 1.
+    stopped = run_parallel(
+        fit_sharded, 2, str(tmp_path), [StopAfter(step=14)], checkpoint_every=3, world_size=2, timeout=180
+    )
+    assert stopped[0]["stopped"] == 14
+    assert stopped[0]["files"] == ["last-e1-s12-p72.dcp", "last.pt"], "one whole checkpoint: the last one written"
+    resumed = run_parallel(fit_sharded, 2, str(tmp_path), world_size=3, timeout=180)
+    assert max_difference(resumed[0]["weights"], one_process["weights"]) < TOLERANCE
+    assert resumed[0]["history"]["train_loss"] == pytest.approx(one_process["history"]["train_loss"], rel=1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last-e2-s18-p0.dcp", "last.pt"]
+
+
+def test_one_process_reads_a_sharded_checkpoint_and_a_sharded_run_reads_a_whole_one(
+    tmp_path: Path, one_process: dict
+) -> None:
+    sharded, whole = tmp_path / "sharded", tmp_path / "whole"
+    run_parallel(fit_sharded, 1, str(sharded), world_size=2, timeout=180)
+    assert max_difference(fit_sharded(2, str(sharded))["weights"], one_process["weights"]) < TOLERANCE
+    fit_sharded(1, str(whole), sharded=False)  # DDPPlugin in one process: weights and optimizer in last.pt
+    resumed = run_parallel(fit_sharded, 2, str(whole), world_size=2, timeout=180)
+    assert max_difference(resumed[0]["weights"], one_process["weights"]) < TOLERANCE
+
+
+def test_clipping_of_the_shards_global_norm_and_accumulation_equal_one_process() -> None:
+    single = fit_sharded(1, gradient_clip_norm=0.5)
+    sharded = run_parallel(fit_sharded, 1, gradient_clip_norm=0.5, world_size=2, timeout=180)[0]
+    assert sharded["norms"] == pytest.approx(single["norms"], rel=1e-4)
+    assert max(single["norms"]) > 0.5, "some steps were clipped"
+    assert max_difference(sharded["weights"], single["weights"]) < TOLERANCE
+    # Accumulating without a global batch (each reduce-scatter skipped but every 2nd): as DDP's no_sync does.
+    sharded = run_parallel(fit_sharded, 1, accumulation=2, global_batch_size=None, world_size=2, timeout=180)[0]
+    ddp = run_parallel(fit_sharded, 1, accumulation=2, global_batch_size=None, sharded=False, world_size=2)[0]
+    assert max_difference(sharded["weights"], ddp["weights"]) < TOLERANCE
+    every_step = run_parallel(fit_sharded, 1, global_batch_size=None, world_size=2, timeout=180)[0]
+    assert max_difference(every_step["weights"], ddp["weights"]) > 100 * TOLERANCE, "accumulating changed it"
+
+
+def test_bf16_trains_sharded_within_its_rounding_of_one_process() -> None:
+    single = fit_sharded(2, precision="bf16-mixed")
+    sharded = run_parallel(fit_sharded, 2, precision="bf16-mixed", world_size=2, timeout=180)[0]
+    loss = sharded["history"]["train_loss"]
+    assert loss[1] < loss[0], "it learns"
+    in_float32 = fit_sharded(2)
+    rounding = max_difference(in_float32["weights"], single["weights"])
+    assert max_difference(sharded["weights"], single["weights"]) < 2 * rounding
+
+
+def _optimizer_on_shards() -> dict[str, object]:
+    model = Stack()
+    optimizer = torch.optim.SGD(
+        [{"params": model.embed.parameters(), "lr": 0.5}, {"params": model.head.parameters()},
+         {"params": model.blocks.parameters(), "momentum": 0.9}], lr=0.1,
+    )  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    loop = sharded_loop(model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    loop.fit(1)
+    return {
+        "same_object": loop.optimizer is optimizer,
+        "on_shards": [id(p) for g in optimizer.param_groups for p in g["params"]] == [id(p) for p in _order(model)],
+        "dtensors": all(type(p).__name__ == "DTensor" for group in optimizer.param_groups for p in group["params"]),
+        "groups": [(len(g["params"]), g["lr"], g["momentum"]) for g in optimizer.param_groups],
+        "states": sum(1 for state in optimizer.state.values() if state.get("momentum_buffer") is not None),
+    }
+
+
+def _order(model: Stack) -> list[nn.Parameter]:
+    return [*model.embed.parameters(), *model.head.parameters(), *model.blocks.parameters()]
+
+
+def test_the_optimizer_given_trains_the_shards_with_its_groups_and_scheduler() -> None:
+    result = run_parallel(_optimizer_on_shards, world_size=2, timeout=120)[0]
+    assert result["same_object"], "the loop's optimizer is the one given"
+    assert result["on_shards"], "its groups hold the model's sharded parameters, in their order"
+    assert result["dtensors"]
+    assert result["groups"] == [(2, 0.25, 0), (2, 0.05, 0), (24, 0.05, 0.9)], "each group's settings, halved once"
+    assert result["states"] == 24, "momentum buffers for the shards of the group with momentum"
+
+
+def _refused(case: str) -> str:
+    model = Stack()
+    try:
+        if case == "stepped":
+            optimizer = torch.optim.Adam(model.parameters())
+            model(torch.zeros(1, 8, 8)).sum().backward()
+            optimizer.step()
+            sharded_loop(model=model, optimizer=optimizer).fit(1)
+        elif case == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam)
+            sharded_loop(model=model, optimizer=zero).fit(1)  # type: ignore[arg-type]
+        else:
+            model.head.to("meta")
+            FSDPPlugin().configure_ddp(model, None)
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [("stepped", "already holds state"), ("zero", "not a ZeroRedundancyOptimizer"), ("devices", "model.to(device)")],
+)
+def test_what_fsdp_cannot_do_is_refused_on_every_rank_with_the_way_out(case: str, words: str) -> None:
+    messages = run_parallel(_refused, case, world_size=2, timeout=60)
+    assert all(words in message for message in messages), messages
+
+
+def test_fault_tolerance_with_a_sharded_model_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="fault_tolerance with FSDPPlugin"):
+        TrainLoop(nn.Linear(2, 2), [], plugin=FSDPPlugin(), fault_tolerance="torchft", global_batch_size=4)
+
+
+def test_fp16_with_a_sharded_model_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        TrainLoop(nn.Linear(2, 2), [], plugin=FSDPPlugin(), precision="16-mixed")
