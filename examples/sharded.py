@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--hsdp", action="store_true", help="shard inside each node, replicate across nodes")
     args = parser.parse_args()
     (train_images, train_labels), (val_images, val_labels) = (d.tensors for d in digits_datasets())
     torch.manual_seed(0)
@@ -63,9 +64,9 @@ def main() -> None:
         model,
         DataLoader(Rows(train_images, train_labels), batch_size=8, shuffle=True),
         DataLoader(Rows(val_images, val_labels), batch_size=64),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        plugin=ddpkit.FSDPPlugin(),  # the one change from DDP
-        global_batch_size=48,  # the same steps on 1, 2, 3 or 6 ranks
+        optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6),  # eps: see docs/sharded.md
+        plugin=ddpkit.FSDPPlugin(hsdp=args.hsdp),  # the one change from DDP
+        global_batch_size=96,  # the same steps on 1, 2, 3, 4, 6 or 12 ranks
         checkpoint_dir=args.checkpoint_dir,  # a sharded checkpoint: resumes on any number of ranks
         gradient_clip_norm=1.0,
         progress=False,

@@ -12,6 +12,7 @@ holds as with DDP: the loop asks the plugin, never which plugin it has.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,9 +22,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ddpkit.batches import iter_tensors, move_data_to_device
 from ddpkit.checkpoint import save_sharded
 from ddpkit.ddp_plugin import DDPPlugin, unwrap_model
 from ddpkit.environments import detect_environment
+from ddpkit.hangs._state import mark_model_position
 from ddpkit.process_group import ensure_dist_connection, get_world_size, is_distributed
 
 if TYPE_CHECKING:
@@ -63,7 +66,8 @@ class FSDPPlugin(DDPPlugin):
         offload_policy: torch's ``CPUOffloadPolicy`` to keep the shards on the CPU between uses; default none.
         hsdp: shard inside each node and replicate across nodes (a 2-D device
             mesh ``(nodes, processes per node)``: HSDP), for jobs of several nodes
-            whose model fits one node's devices; default ``False`` (shard over all ranks).
+            whose model fits one node's devices; an int shards over groups of that
+            many ranks instead of a node's; default ``False`` (shard over all ranks).
 
     Raises:
         TypeError: ``auto_wrap_policy`` is neither module classes nor a callable.
@@ -85,7 +89,7 @@ class FSDPPlugin(DDPPlugin):
         reshard_after_forward: bool = True,
         mp_policy: Any = None,
         offload_policy: Any = None,
-        hsdp: bool = False,
+        hsdp: bool | int = False,
     ) -> None:
         super().__init__()
         if auto_wrap_policy is not None and not callable(auto_wrap_policy):
@@ -140,6 +144,7 @@ class FSDPPlugin(DDPPlugin):
         for unit in self._units(model):
             fully_shard(unit, **options)
         fully_shard(model, **options)
+        _mark_units(model)
         self._sharded = model
         return model
 
@@ -151,10 +156,10 @@ class FSDPPlugin(DDPPlugin):
         world = get_world_size()
         if not self.hsdp:
             return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-        per_node = detect_environment().local_world_size() or world
-        if world % per_node:
+        per_node = self.hsdp if self.hsdp is not True else detect_environment().local_world_size() or world
+        if not 0 < per_node <= world or world % per_node:
             raise ValueError(
-                f"FSDPPlugin(hsdp=True): {world} ranks are not whole nodes of {per_node} processes; run the same "
+                f"FSDPPlugin(hsdp={self.hsdp}): {world} ranks are not whole groups of {per_node}; run the same "
                 "number of processes on every node, or pass hsdp=False"
             )
         return init_device_mesh(device_type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
@@ -225,8 +230,6 @@ class FSDPPlugin(DDPPlugin):
 
     def on_before_forward(self, model: nn.Module, *args: Any) -> tuple[Any, ...]:
         """``args`` moved to this rank's device (``cuda:<device id>``, else the CPU; see ``DDPPlugin``)."""
-        from ddpkit.batches import move_data_to_device
-
         device = torch.device("cuda", self.device_ids[0]) if self.device_ids else torch.device("cpu")
         return tuple(move_data_to_device(arg, device) for arg in args)
 
@@ -318,6 +321,35 @@ class FSDPPlugin(DDPPlugin):
             for state in optimizer.state.values():
                 held["optimizer"] += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
         return {**held, "total": sum(held.values())}
+
+
+def _mark_units(model: nn.Module) -> None:
+    """Hooks that tell the hang watchdog which unit's forward or backward this rank is in (its all-gather, or
+    its gradients' reduce-scatter): a hang report names the unit a rank did not reach. Each runs before FSDP's
+    own hook of the same kind, which is where a rank waits."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, unit in model.named_modules():
+        if isinstance(unit, FSDPModule) and isinstance(unit, nn.Module):
+            label = f"FSDP unit {name!r}" if name else "the sharded model's root"
+            unit.register_forward_pre_hook(functools.partial(_entered, f"{label} (forward)"), prepend=True)
+            unit.register_forward_hook(functools.partial(_backward_enters, f"{label} (backward)"), prepend=True)
+
+
+def _entered(label: str, module: nn.Module, args: Any) -> None:
+    mark_model_position(label)
+
+
+def _backward_enters(label: str, module: nn.Module, args: Any, output: Any) -> None:
+    """Mark ``label`` when the gradient reaches ``output`` (the unit's backward begins)."""
+    if torch.is_grad_enabled():
+        for tensor in iter_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(_gradient_arrived, label))  # type: ignore[no-untyped-call]
+
+
+def _gradient_arrived(label: str, gradient: torch.Tensor) -> None:
+    mark_model_position(label)
 
 
 def _stack_layers(module: nn.Module) -> Iterator[nn.Module]:

@@ -354,7 +354,11 @@ except GroupProofError as exc:
 value = torch.tensor([2.0])
 dist.all_reduce(value)
 print(f"rank {rank}: all_reduce returned {value.item()}", flush=True)
-time.sleep(float(os.environ.get("LINGER", "0")))  # job 1: while the stranger reads the store
+if os.environ.get("LINGER"):  # job 1: until the stranger has read the store
+    open(os.path.join(os.environ["LINGER"], f"reduced.{rank}"), "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(os.environ["LINGER"], "recorded")) and time.monotonic() < deadline:
+        time.sleep(0.05)
 dist.barrier()
 """
 REPLAY_PORT = 29555
@@ -400,10 +404,13 @@ def replayed(out: Path) -> None:
 
     def record() -> None:
         store = connect()
-        time.sleep(2.0)  # the group is made and has all-reduced
+        deadline = time.monotonic() + 60
+        while not all((out / f"reduced.{rank}").exists() for rank in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the group is made and has all-reduced (the job waits for the file below)
         recorded.update({key: bytes(store.get(key)) for key in store.list_keys()})
+        (out / "recorded").touch()
 
-    first = run({"LINGER": "4"}, record)
+    first = run({"LINGER": str(out)}, record)
     stop = threading.Event()
 
     def replay() -> None:

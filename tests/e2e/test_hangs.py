@@ -146,6 +146,29 @@ def _blocked_loader(directory: str) -> None:
     TrainLoop(model, loader, progress=False).fit(1)  # marker: fit of the TrainLoop
 
 
+class _SleepyLayer(torch.nn.Module):
+    """A layer of a sharded model; rank 1 sleeps in layer 1's third forward."""
+
+    def __init__(self, index: int, directory: str) -> None:
+        super().__init__()
+        self.index, self.directory, self.calls = index, directory, 0
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if dist.get_rank() == 1 and self.index == 1 and self.calls == 3:
+            _record(self.directory, "wait")
+            time.sleep(120)  # marker: rank 1 sleeps in layer 1
+        return torch.relu(self.linear(x))
+
+
+def _sharded_sleeper(directory: str) -> None:
+    _record(directory, "start")
+    train, _ = digits_datasets()
+    model = torch.nn.Sequential(_SleepyLayer(0, directory), _SleepyLayer(1, directory), torch.nn.Linear(64, 10))
+    TrainLoop(model, DataLoader(train, batch_size=32), plugin=ddpkit.FSDPPlugin(), progress=False).fit(1)
+
+
 def _hang_in_the_first_attempt(directory: str) -> int:
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     _record(directory, f"attempt{attempt}")
@@ -172,6 +195,23 @@ def test_a_rank_sleeping_before_a_raw_all_reduce_is_named_with_its_line(tmp_path
     assert ended - _started(tmp_path) <= DEADLINE + 10
     assert error.report_path is not None
     assert "===== rank 1 =====" in Path(error.report_path).read_text()
+    _no_process_left(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_stops_inside_a_sharded_model_is_named_with_the_unit_the_others_wait_in(tmp_path: Path) -> None:
+    """With FSDPPlugin every unit gathers its weights: rank 0 waits in the next unit's all-gather, which the
+    report names, while rank 1 is named at its line inside layer 1."""
+    error, ended = _hang(_sharded_sleeper, tmp_path)
+    assert isinstance(error, HangError)
+    assert error.stragglers == [1]
+    report = str(error)
+    headline = report.splitlines()[0]
+    assert headline.startswith("ddpkit: the job hung: rank 1 did not arrive at "), report
+    assert "of FSDP unit '2' (forward), in which rank 0 has waited" in headline, report
+    assert "rank 1: in no collective (its last: all_gather" in report, report
+    assert f"now at {SHOWN}:{_line('marker: rank 1 sleeps in layer 1')} in forward" in report, report
+    assert ended - _started(tmp_path) <= DEADLINE + 10
     _no_process_left(tmp_path)
 
 

@@ -230,6 +230,21 @@ def test_srun_on_two_nodes_runs_a_plain_torch_script_and_a_train_loop_in_each_ta
 
 
 @pytest.mark.slurm
+@pytest.mark.timeout(240)
+def test_srun_on_two_nodes_trains_a_sharded_model_as_hsdp_and_matches_one_process(tmp_path: Path) -> None:
+    """4 tasks on 2 nodes, ``FSDPPlugin(hsdp=True)``: each node's 2 ranks shard the model, the nodes replicate it."""
+    example = str(ROOT / "examples" / "sharded.py")
+    hybrid = _run(["srun", "-N", "2", "-n", "4", sys.executable, example, "--epochs", "1", "--hsdp"], tmp_path, 200)
+    assert hybrid.returncode == 0, hybrid.stderr
+    alone = _run([sys.executable, example, "--epochs", "1"], tmp_path)
+    line = r"^4 ranks, 1 epochs: validation accuracy (0\.\d+); rank 0 holds (\d+) of (\d+) bytes"
+    found = re.search(line, hybrid.stdout, re.M)
+    assert found, hybrid.stdout
+    assert f"1 rank, 1 epochs: validation accuracy {found[1]};" in alone.stdout, alone.stdout + hybrid.stdout
+    assert abs(2 * int(found[2]) - int(found[3])) < 0.01 * int(found[3]), "half of the weights: a node's 2 ranks"
+
+
+@pytest.mark.slurm
 @pytest.mark.timeout(120)
 def test_doctor_runs_as_a_slurm_job(tmp_path: Path) -> None:
     result = _run(["srun", "-N", "2", "-n", "2", *DDPKIT, "doctor", "--plot", str(tmp_path / "bw.png")], tmp_path)

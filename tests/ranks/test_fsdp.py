@@ -162,3 +162,37 @@ def test_fault_tolerance_with_a_sharded_model_is_refused_with_the_reason() -> No
 def test_fp16_with_a_sharded_model_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="bf16-mixed"):
         TrainLoop(nn.Linear(2, 2), [], plugin=FSDPPlugin(), precision="16-mixed")
+
+
+def _positions() -> list[str | None]:
+    from ddpkit.hangs._state import model_position
+
+    model = Stack(depth=2)
+    FSDPPlugin().configure_ddp(model, None)
+    seen: list[str | None] = []
+    for block in model.blocks:  # inside each block's forward and backward: where the watchdog says it is
+        block.mlp.register_forward_hook(lambda *_: seen.append(model_position()))
+        block.mlp.register_full_backward_hook(lambda *_: seen.append(model_position()))
+    model(torch.randn(2, 8, 8)).sum().backward()
+    return [*seen, model_position()]
+
+
+def test_each_units_forward_and_backward_are_marked_for_hang_reports() -> None:
+    seen = run_parallel(_positions, world_size=2, timeout=60)[0]
+    assert seen == [
+        "FSDP unit 'blocks.0' (forward)", "FSDP unit 'blocks.1' (forward)",
+        "FSDP unit 'blocks.1' (backward)", "FSDP unit 'blocks.0' (backward)", "FSDP unit 'blocks.0' (backward)",
+    ]  # fmt: skip
+
+
+def _hybrid(epochs: int) -> dict[str, object]:
+    return fit_sharded(epochs, hsdp=2, global_batch_size=32)  # 4 ranks as 2 "nodes" of 2
+
+
+def test_hsdp_shards_inside_each_node_and_replicates_across_nodes() -> None:
+    results = run_parallel(_hybrid, 2, world_size=4, timeout=240)
+    assert results[0]["mesh"] == ((2, 2), ("replicate", "shard"))
+    assert max_difference(results[0]["weights"], fit_sharded(2, global_batch_size=32)["weights"]) < TOLERANCE
+    for result in results:  # each rank holds half of each weight: its node's two ranks share it
+        local, whole = result["shards"]["embed.weight"]
+        assert local * 2 == whole

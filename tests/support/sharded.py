@@ -89,7 +89,7 @@ class Norms(Callback):
 
 def sharded_loop(
     checkpoint_dir: str | Path | None = None, *, sharded: bool = True, model: nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None, **options: Any,
+    optimizer: torch.optim.Optimizer | None = None, hsdp: bool | int = False, **options: Any,
 ) -> TrainLoop:  # fmt: skip
     """The stack's TrainLoop over the digits rows (AdamW, a global batch of 24 in batches of 4)."""
     model = model if model is not None else Stack()
@@ -99,7 +99,7 @@ def sharded_loop(
     options.setdefault("global_batch_size", GLOBAL_BATCH)
     return TrainLoop(
         model, loader, validation, optimizer=optimizer, progress=False,
-        plugin=FSDPPlugin() if sharded else DDPPlugin(), checkpoint_dir=checkpoint_dir, **options,
+        plugin=FSDPPlugin(hsdp=hsdp) if sharded else DDPPlugin(), checkpoint_dir=checkpoint_dir, **options,
     )  # fmt: skip
 
 
@@ -118,8 +118,15 @@ def fit_sharded(
     return {
         "weights": weights, "history": dict(loop.history), "norms": norms.norms, "shards": norms.shards,
         "memory": loop.plugin.memory(loop.model, loop.optimizer) if isinstance(loop.plugin, FSDPPlugin) else None,
-        "rank": get_rank(), "world_size": get_world_size(),
+        "rank": get_rank(), "world_size": get_world_size(), "mesh": _mesh(loop.model),
     }  # fmt: skip
+
+
+def _mesh(model: nn.Module) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """The device mesh the model's first parameter is sharded over: its shape and dimension names."""
+    parameter = next(model.parameters())
+    mesh = getattr(parameter, "device_mesh", None)
+    return (tuple(mesh.shape), tuple(mesh.mesh_dim_names or ())) if mesh is not None else None
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

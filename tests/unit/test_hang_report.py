@@ -44,6 +44,20 @@ def test_ranks_below_the_highest_sequence_number_did_not_arrive() -> None:
     assert text.endswith("Full report (every thread, every rank): /tmp/report.txt")
 
 
+def test_the_unit_of_a_sharded_model_the_others_wait_in_is_named() -> None:
+    states = {0: _state(0, 8, op="gloo:_allgather_base"), 1: _state(1, 7, active=False, line=20)}
+    states[0]["model"] = "FSDP unit 'blocks.2' (forward)"
+    states[1]["model"] = "FSDP unit 'blocks.1' (forward)"
+    text = summary(analyse(states, 2, 3.0), None)
+    assert text.startswith(
+        "ddpkit: the job hung: rank 1 did not arrive at _allgather_base #8 (float32 [7]) of FSDP unit 'blocks.2' "
+        "(forward), in which rank 0 has waited 4.2 s"
+    ), text
+    assert "  rank 0: in _allgather_base #8 (float32 [7]) of FSDP unit 'blocks.2' (forward) for 4.2 s" in text
+    plain = summary(analyse({0: _state(0, 8), 1: _state(1, 7, active=False)}, 2, 3.0), None)
+    assert " of " not in plain.splitlines()[0], "without a sharded model, nothing more"
+
+
 def test_different_calls_at_one_sequence_number_name_the_odd_rank() -> None:
     states = {r: _state(r, 5) for r in range(4)}
     states[2] = _state(2, 5, op="gloo:broadcast", sizes=((5,),))

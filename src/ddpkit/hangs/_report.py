@@ -155,7 +155,11 @@ def _headline(analysis: HangAnalysis) -> str:
     group = analysis.groups[0]
     where = "" if group.description == "default_pg" else f" of process group {group.description!r}"
     reference = next((analysis.states[r] for r in group.arrived), None)
-    call = _describe_call(_last(reference, group.name)) if reference else f"collective #{group.highest}"
+    call = (
+        _describe_call(_last(reference, group.name)) + _in_model(reference)
+        if reference
+        else f"collective #{group.highest}"
+    )
     if group.mismatched:
         calls = "; ".join(f"rank {r}: {_op(_last(analysis.states[r], group.name))}" for r in group.arrived)
         odd = _ranks(group.odd)
@@ -198,7 +202,7 @@ def _rank_state(analysis: HangAnalysis, rank: int) -> str:
         at = f", called at {frame_text(call)}" if call else ""
         if _in_final_barrier(frames):
             at = ": it returned from your function and waits for the others to finish (the launcher's last barrier)"
-        text = f"in {_describe_call(last)} for {float(last.get('age', 0.0)):.1f} s{at}"
+        text = f"in {_describe_call(last)}{_in_model(state)} for {float(last.get('age', 0.0)):.1f} s{at}"
     else:
         previous = f" (its last: {_describe_call(last)})" if last else ""
         text = f"in no collective{previous}"
@@ -233,6 +237,12 @@ def _grouped_stacks(analysis: HangAnalysis) -> list[str]:
             child_frames = _from_users_code(dumped_frames(str(child.get("stack", ""))))
             lines.extend(f"      {marked(frame)}" for frame in child_frames)
     return lines
+
+
+def _in_model(state: RankState) -> str:
+    """`` of FSDP unit 'blocks.2' (forward)``: the part of a sharded model whose collective the rank is in."""
+    position = state.get("model")
+    return f" of {position}" if position else ""
 
 
 def _in_collective(analysis: HangAnalysis, rank: int) -> bool:

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-__all__ = ["ChildStack", "Frame", "GroupState", "LastCollective", "RankState", "ThreadStack"]
+__all__ = [
+    "ChildStack",
+    "Frame",
+    "GroupState",
+    "LastCollective",
+    "RankState",
+    "ThreadStack",
+    "mark_model_position",
+    "model_position",
+]
 
 #: A stack frame: ``[filename, line, function, source text]`` (the text may be ``""``).
 Frame = list[Any]
@@ -57,3 +66,19 @@ class RankState(TypedDict, total=False):
     groups: dict[str, GroupState]  # by the group's name
     threads: list[ThreadStack]  # the main thread first
     children: list[ChildStack]
+    model: str  # the part of the model this rank last entered, when a sharded model marks it
+
+
+_position: str | None = None
+
+
+def mark_model_position(label: str | None) -> None:
+    """Say which part of the model this rank is computing (``FSDPPlugin`` marks each unit's forward and
+    backward, whose collectives gather and reduce that unit's shards); a hang report names it."""
+    global _position
+    _position = label
+
+
+def model_position() -> str | None:
+    """What :func:`mark_model_position` last said, or ``None``."""
+    return _position

@@ -55,7 +55,7 @@ from ddpkit._sealed import SealedKeys
 from ddpkit._secret import job_secret
 from ddpkit.hangs._report import analyse, full_report, summary
 from ddpkit.hangs._stacks import children_stacks, dump_stacks_in_forked_children, kill_children, thread_stacks
-from ddpkit.hangs._state import GroupState, RankState
+from ddpkit.hangs._state import GroupState, RankState, model_position
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -255,6 +255,8 @@ class Watchdog(threading.Thread):
             "threads": thread_stacks(skip=threading.get_ident()),
             "children": children_stacks(),
         }
+        if (position := model_position()) is not None:
+            state["model"] = position
         kill_children()  # their stacks are in; the job ends, and no rank exits before every rank answered
         self._keys.put(f"{_KEYS}answer/{self._rank}", json.dumps(state).encode(), private=True)
 

@@ -1,0 +1,242 @@
+"""Sharded training (``FSDPPlugin``): its step against a hand-written ``fully_shard`` loop and against DDP, the bytes
+each rank holds, and sharded checkpoints against ``last.pt``, same run.
+
+    python bench/fsdp.py [--blocks 6] [--steps 20] [--device cpu|cuda]
+
+1. A transformer-like stack (8 residual MLP blocks of width 256 over sequences of 16), batch 16 per rank, Adam, 2
+   gloo ranks (``--device cuda``: NCCL on the GPUs there are, up to 2). A ``TrainLoop`` with
+   ``FSDPPlugin`` trains one epoch of ``--steps`` steps, then the hand-written loop (the same model
+   ``fully_shard``-ed block by block, a ``DataLoader`` over a ``DistributedSampler``) the same steps, in
+   alternating blocks; then the same ``TrainLoop`` with ``DDPPlugin`` against it with ``FSDPPlugin``. Ratios are
+   of steps per second (target: TrainLoop FSDP >= 0.98x the hand-written loop).
+2. The bytes of parameters, gradients and Adam's state one rank holds after a step, on 1, 2 and 4 ranks
+   (1 rank: what DDP holds on every rank).
+3. A checkpoint of a ~100 MB model (6 linear layers of 2048 x 2048, 24 M parameters) and its Adam state:
+   written and read sharded (``torch.distributed.checkpoint``, every rank its shards) against DDP's ``last.pt``
+   (rank 0 writes the whole state with ``torch.save``; every rank reads it), 2 ranks, alternating, 3 rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import ddpkit
+from ddpkit.checkpoint import load_checkpoint, save_checkpoint
+from ddpkit.process_group import collective_device, rank_device
+
+TARGET = 0.98
+WIDTH, DEPTH, LENGTH, BATCH = 256, 8, 16, 16
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(32, WIDTH)
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(DEPTH))
+        self.head = nn.Linear(WIDTH, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(1))
+
+
+def _data(steps: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    items = steps * BATCH * dist.get_world_size()
+    return TensorDataset(torch.randn(items, LENGTH, 32, generator=generator), torch.randint(0, 10, (items,)))
+
+
+def _seconds(device: torch.device, run: Any) -> float:
+    """The slowest rank's seconds for ``run()``."""
+    ddpkit.barrier()
+    started = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - started], device=collective_device())
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _loop(plugin: ddpkit.DDPPlugin, data: TensorDataset, device: torch.device) -> ddpkit.TrainLoop:
+    model = Stack()
+    return ddpkit.TrainLoop(
+        model, DataLoader(data, batch_size=BATCH, shuffle=True), optimizer=torch.optim.Adam(model.parameters()),
+        plugin=plugin, device=device, progress=False,
+    )  # fmt: skip
+
+
+class HandWritten:
+    """The loop one writes with torch alone: ``fully_shard`` each block and the model, Adam on the shards."""
+
+    def __init__(self, data: TensorDataset, device: torch.device) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.model = Stack().to(device)
+        for block in self.model.blocks:
+            fully_shard(block)
+        fully_shard(self.model)
+        self.optimizer = torch.optim.Adam(self.model.parameters())
+        self.sampler = DistributedSampler(data, seed=0)
+        self.loader = DataLoader(data, batch_size=BATCH, sampler=self.sampler)
+        self.device, self.epoch = device, 0
+
+    def run(self) -> None:
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        for x, y in self.loader:
+            x, y = x.to(self.device), y.to(self.device)
+            self.optimizer.zero_grad()
+            nn.functional.cross_entropy(self.model(x), y).backward()
+            self.optimizer.step()
+
+
+def steps(blocks: int, count: int, device_type: str) -> dict[str, Any]:
+    """Steps per second of each loop, per block (alternating order)."""
+    device = rank_device() if device_type == "cuda" else torch.device("cpu")
+    data = _data(count)
+    sharded, ddp = _loop(ddpkit.FSDPPlugin(), data, device), _loop(ddpkit.DDPPlugin(), data, device)
+    raw = HandWritten(data, device)
+    runs = {"raw": raw.run, "fsdp": lambda: sharded.fit(sharded.epoch + 1), "ddp": lambda: ddp.fit(ddp.epoch + 1)}
+    for run in runs.values():  # warm up
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for block in range(blocks):
+        for name in list(runs) if block % 2 == 0 else list(runs)[::-1]:
+            rates[name].append(count / _seconds(device, runs[name]))
+    return rates
+
+
+def held(device_type: str) -> dict[str, int]:
+    """This rank's bytes after one step of the stack with FSDPPlugin."""
+    device = rank_device() if device_type == "cuda" else torch.device("cpu")
+    loop = _loop(ddpkit.FSDPPlugin(), _data(1), device)
+    holds: dict[str, int] = {}
+
+    class Measure(ddpkit.Callback):
+        def on_batch_end(self, train_loop: Any) -> None:
+            # after the optimizer step: gradients were set to None; count them as the step had them
+            holds.update(train_loop.plugin.memory(train_loop.model, train_loop.optimizer))
+            holds["gradients"] = holds["parameters"]  # one gradient per parameter, the same shards
+            holds["total"] = holds["parameters"] + holds["gradients"] + holds["optimizer"]
+
+    loop.fit(1, callbacks=[Measure()])
+    return holds
+
+
+def checkpoints(rounds: int, device_type: str) -> dict[str, list[float]]:
+    """Seconds to write and read the big model's checkpoint, sharded and whole."""
+    device = rank_device() if device_type == "cuda" else torch.device("cpu")
+    directory = Path(tempfile.mkdtemp(prefix="ddpkit-bench-")) if dist.get_rank() == 0 else None
+    shared = [str(directory)]
+    dist.broadcast_object_list(shared, src=0)
+    where = Path(shared[0])
+
+    def big() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(6))).to(device)
+        return model, torch.optim.Adam(model.parameters())
+
+    fsdp_plugin, ddp_plugin = ddpkit.FSDPPlugin(), ddpkit.DDPPlugin()
+    sharded_model, sharded_optimizer = big()
+    fsdp_plugin.configure_ddp(sharded_model, [device.index or 0] if device.type == "cuda" else None)
+    fsdp_plugin.shard_optimizer(sharded_optimizer)
+    whole_model, whole_optimizer = big()
+    for model, optimizer in ((sharded_model, sharded_optimizer), (whole_model, whole_optimizer)):
+        model(torch.randn(4, 2048, device=device)).sum().backward()
+        optimizer.step()  # Adam's state exists
+    times: dict[str, list[float]] = {"sharded write": [], "sharded read": [], "whole write": [], "whole read": []}
+
+    def write_sharded() -> None:
+        fsdp_plugin.checkpoint_state(sharded_model, sharded_optimizer, where, "bench.dcp")
+
+    def read_sharded() -> None:
+        fsdp_plugin.load_checkpoint_state(sharded_model, sharded_optimizer, {}, {}, where / "bench.dcp")
+
+    def write_whole() -> None:
+        weights, optimizer_state, _ = ddp_plugin.checkpoint_state(whole_model, whole_optimizer, where, "")
+        if dist.get_rank() == 0:
+            save_checkpoint({"model": weights, "optimizer": optimizer_state}, where / "last.pt")
+
+    def read_whole() -> None:
+        state = load_checkpoint(where / "last.pt", map_location=device)
+        ddp_plugin.load_checkpoint_state(whole_model, whole_optimizer, state["model"], state["optimizer"], None)
+
+    for index in range(rounds):
+        order = [("sharded", write_sharded, read_sharded), ("whole", write_whole, read_whole)]
+        for kind, write, read in order if index % 2 == 0 else order[::-1]:
+            times[f"{kind} write"].append(_seconds(device, write))
+            times[f"{kind} read"].append(_seconds(device, read))
+    ddpkit.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    backend, nprocs = ("nccl", min(2, torch.cuda.device_count())) if args.device == "cuda" else ("gloo", 2)
+    rates = ddpkit.launch(steps, args.blocks, args.steps, args.device, nprocs=nprocs, backend=backend)[0]
+    print(
+        f"{DEPTH} residual MLP blocks of width {WIDTH} over sequences of {LENGTH}, batch {BATCH} per rank, Adam, "
+        f"{nprocs} {backend} ranks, {args.blocks} alternating blocks of {args.steps} steps"
+    )
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    print(f"hand-written fully_shard loop:     {median['raw']:7.2f} steps/s")
+    print(f"TrainLoop with FSDPPlugin:         {median['fsdp']:7.2f} steps/s")
+    print(f"TrainLoop with DDPPlugin:          {median['ddp']:7.2f} steps/s")
+    ratio = statistics.median(f / r for f, r in zip(rates["fsdp"], rates["raw"], strict=True))
+    verdict = "ok" if ratio >= TARGET else "MISSED"
+    print(f"TrainLoop FSDP / hand-written:     {ratio:7.3f}  (target >= {TARGET}: {verdict})")
+    price = statistics.median(f / d for f, d in zip(rates["fsdp"], rates["ddp"], strict=True))
+    print(f"TrainLoop FSDP / TrainLoop DDP:    {price:7.3f}  (the price of sharding this small model)")
+
+    print("\nbytes one rank holds after a step (parameters, gradients, Adam's state)")
+    whole: dict[str, int] | None = None
+    for world in (1, 2, 4):
+        holds = ddpkit.launch(held, args.device, nprocs=world, backend="gloo" if args.device == "cpu" else backend)[0]
+        whole = whole or holds
+        share = holds["total"] / whole["total"]
+        label = "1 rank (DDP: every rank)" if world == 1 else f"{world} ranks, FSDP"
+        print(
+            f"  {label:26} params {holds['parameters']:>10,}  grads {holds['gradients']:>10,}  "
+            f"adam {holds['optimizer']:>10,}  total {holds['total']:>11,}  {share:5.3f} x DDP's"
+        )
+
+    times = ddpkit.launch(checkpoints, 3, args.device, nprocs=nprocs, backend=backend)[0]
+    print(f"\ncheckpoint of 6 x Linear(2048, 2048) (24 M parameters, 100 MB) and Adam state, {nprocs} ranks, 3 rounds")
+    for kind in ("write", "read"):
+        sharded, whole_s = statistics.median(times[f"sharded {kind}"]), statistics.median(times[f"whole {kind}"])
+        print(f"  {kind:5}  sharded (DCP) {sharded:6.2f} s   last.pt {whole_s:6.2f} s   ratio {sharded / whole_s:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
