@@ -19,6 +19,8 @@ each rank holds, and sharded checkpoints against ``last.pt``, same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import shutil
 import statistics
 import tempfile
@@ -68,6 +70,12 @@ def _data(steps: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     items = steps * BATCH * dist.get_world_size()
     return TensorDataset(torch.randn(items, LENGTH, 32, generator=generator), torch.randint(0, 10, (items,)))
+
+
+def _quiet(fit: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fit(...)`` without its epoch lines (this benchmark prints its own)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return fit(*args, **kwargs)
 
 
 def _seconds(device: torch.device, run: Any) -> float:
@@ -121,7 +129,8 @@ def steps(blocks: int, count: int, device_type: str) -> dict[str, Any]:
     data = _data(count)
     sharded, ddp = _loop(ddpkit.FSDPPlugin(), data, device), _loop(ddpkit.DDPPlugin(), data, device)
     raw = HandWritten(data, device)
-    runs = {"raw": raw.run, "fsdp": lambda: sharded.fit(sharded.epoch + 1), "ddp": lambda: ddp.fit(ddp.epoch + 1)}
+    runs = {"raw": raw.run, "fsdp": lambda: _quiet(sharded.fit, sharded.epoch + 1),
+            "ddp": lambda: _quiet(ddp.fit, ddp.epoch + 1)}  # fmt: skip
     for run in runs.values():  # warm up
         run()
     rates: dict[str, list[float]] = {name: [] for name in runs}
@@ -132,19 +141,20 @@ def steps(blocks: int, count: int, device_type: str) -> dict[str, Any]:
 
 
 def held(device_type: str) -> dict[str, int]:
-    """This rank's bytes after one step of the stack with FSDPPlugin."""
+    """This rank's bytes of the stack sharded by FSDPPlugin: parameters and gradients after a backward, Adam's
+    state after its step."""
     device = rank_device() if device_type == "cuda" else torch.device("cpu")
-    loop = _loop(ddpkit.FSDPPlugin(), _data(1), device)
-    holds: dict[str, int] = {}
-
-    class Measure(ddpkit.Callback):
-        def on_batch_end(self, train_loop: Any) -> None:
-            # after the optimizer step: gradients were set to None; count them as the step had them
-            holds.update(train_loop.plugin.memory(train_loop.model, train_loop.optimizer))
-            holds["gradients"] = holds["parameters"]  # one gradient per parameter, the same shards
-            holds["total"] = holds["parameters"] + holds["gradients"] + holds["optimizer"]
-
-    loop.fit(1, callbacks=[Measure()])
+    model, plugin = Stack().to(device), ddpkit.FSDPPlugin()
+    optimizer = torch.optim.Adam(model.parameters())
+    if dist.get_world_size() > 1:
+        plugin.configure_ddp(model, [device.index or 0] if device.type == "cuda" else None)
+        plugin.shard_optimizer(optimizer)
+    x = torch.randn(BATCH, LENGTH, 32, device=device)
+    nn.functional.cross_entropy(model(x), torch.zeros(BATCH, dtype=torch.int64, device=device)).backward()
+    holds = plugin.memory(model)
+    optimizer.step()
+    holds["optimizer"] = plugin.memory(model, optimizer)["optimizer"]
+    holds["total"] = holds["parameters"] + holds["gradients"] + holds["optimizer"]
     return holds
 
 

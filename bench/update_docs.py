@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("collectives", "samplers", "streams", "ddp_step", "watchdog", "microseconds")
+BENCHMARKS = ("collectives", "samplers", "streams", "ddp_step", "watchdog", "microseconds", "fsdp")
 
 
 def machine() -> str:
