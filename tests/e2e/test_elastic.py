@@ -59,7 +59,7 @@ def _steps_of(record: Path, epoch: int, world_size: int) -> int:
 def _uninterrupted(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     loop = elastic_train_loop(args)
     loop.fit(args.epochs)
-    return {k: v.clone() for k, v in loop.model.state_dict().items()}
+    return loop.full_state_dict()
 
 
 def _finish(process: subprocess.Popen[bytes], log: Path) -> None:
@@ -72,13 +72,16 @@ def _finish(process: subprocess.Popen[bytes], log: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_job_that_loses_a_node_mid_epoch_finishes_on_one_with_the_same_result(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
+def test_a_job_that_loses_a_node_mid_epoch_finishes_on_one_with_the_same_result(tmp_path: Path, sharded: bool) -> None:
     """Two `ddpkit run --nnodes 1:2` agents, one process each; SIGKILL the second agent and its worker in the
     middle of epoch 2 (0-based 1). The first finishes alone: every sample once per epoch, and the weights of
-    an uninterrupted 2-rank run."""
+    an uninterrupted 2-rank run. Sharded (FSDPPlugin), the lone rank resumes from the 2 ranks' sharded
+    checkpoint, resharded for 1."""
     port = free_port()
     example = ["-m", "ddpkit.examples.elastic", "--checkpoint-dir", str(tmp_path / "checkpoints"),
                "--record", str(tmp_path / "record"), "--step-delay", "0.1"]  # fmt: skip
+    example += ["--sharded"] if sharded else []
     agent = [sys.executable, "-m", "ddpkit", "run", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-conf", _FAST_RDZV, "--max-restarts", "3", *example]  # fmt: skip
     first = _agent([*agent, "--out", str(tmp_path / "weights.pt")], tmp_path / "first.log")
@@ -95,9 +98,11 @@ def test_a_job_that_loses_a_node_mid_epoch_finishes_on_one_with_the_same_result(
     assert samples_per_epoch(record) == {epoch: list(range(1438)) for epoch in range(3)}
     resized = min(line["time"] for lines in steps.values() for line in lines if line["time"] > killed) - killed
     print(f"from the kill to the next step: {resized:.1f} s")
-    reference = run_parallel(_uninterrupted, parse_args(["--checkpoint-dir", str(tmp_path / "none")]),
-                             world_size=2, timeout=60)[0]  # fmt: skip
+    options = ["--checkpoint-dir", str(tmp_path / "none"), *(["--sharded"] if sharded else [])]
+    reference = run_parallel(_uninterrupted, parse_args(options), world_size=2, timeout=60)[0]
     assert _max_difference(torch.load(tmp_path / "weights.pt"), reference) < 1e-5
+    if sharded:
+        assert any(path.name.endswith(".dcp") for path in (tmp_path / "checkpoints").iterdir())
 
 
 @pytest.mark.timeout(240)

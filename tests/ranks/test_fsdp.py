@@ -196,3 +196,9 @@ def test_hsdp_shards_inside_each_node_and_replicates_across_nodes() -> None:
     for result in results:  # each rank holds half of each weight: its node's two ranks share it
         local, whole = result["shards"]["embed.weight"]
         assert local * 2 == whole
+
+
+def test_a_compiled_sharded_model_trains_as_one_process() -> None:
+    single = fit_sharded(1)
+    compiled = run_parallel(fit_sharded, 1, compile={"backend": "aot_eager"}, world_size=2, timeout=300)[0]
+    assert max_difference(compiled["weights"], single["weights"]) < TOLERANCE

@@ -33,6 +33,7 @@ from ddpkit.callbacks import Callback, TrainLoopView
 from ddpkit.collectives import all_gather_object
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.examples.retrieval import BalancedBatchSampler
+from ddpkit.fsdp_plugin import FSDPPlugin
 from ddpkit.process_group import get_rank, get_world_size, seed_everything
 from ddpkit.training import TrainLoop
 
@@ -110,8 +111,12 @@ class RecordSteps(Callback):
         self.attempt = all_gather_object((uuid.uuid4().hex, time.time()))[0]  # rank 0's, on every rank
 
     def on_train_end(self, train_loop: TrainLoopView) -> None:
-        if self.out is not None and get_rank() == 0:
-            torch.save(train_loop.model.state_dict(), self.out)
+        if self.out is None:
+            return
+        assert isinstance(train_loop, RecordingTrainLoop), "RecordSteps records a RecordingTrainLoop's samples"
+        weights = train_loop.full_state_dict()  # every rank: a sharded model's are gathered to rank 0
+        if get_rank() == 0:
+            torch.save(weights, self.out)
 
     def on_batch_end(self, train_loop: TrainLoopView) -> None:
         assert isinstance(train_loop, RecordingTrainLoop), "RecordSteps records a RecordingTrainLoop's samples"
@@ -154,6 +159,7 @@ def elastic_train_loop(args: argparse.Namespace) -> RecordingTrainLoop:
         seed=args.seed,
         progress=False,
         global_batch_size=args.global_batch_size,
+        plugin=FSDPPlugin() if args.sharded else None,
         record=args.record,
         step_delay=args.step_delay,
     )
@@ -177,6 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--record", default=None, metavar="DIR", help="record each step's samples here")
     parser.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS")
     parser.add_argument("--out", type=Path, default=None, help="write the trained weights here (torch.save)")
+    parser.add_argument("--sharded", action="store_true", help="shard the model over the ranks (FSDPPlugin)")
     return parser.parse_args(argv)
 
 
