@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ddpkit.batches import iter_tensors, move_data_to_device
+from ddpkit.batches import iter_tensors
 from ddpkit.checkpoint import save_sharded
 from ddpkit.ddp_plugin import DDPPlugin, unwrap_model
 from ddpkit.environments import detect_environment
@@ -114,9 +114,8 @@ class FSDPPlugin(DDPPlugin):
         a GPU, ``None`` on CPU). Rank 0's weights are what every rank starts from (as DDP broadcasts them).
 
         Raises:
-            ValueError: no process group; the model's parameters are on several devices, or on another
-                device than ``device_ids`` says; ``hsdp`` with a world size that the processes per node do not
-                divide.
+            ValueError: no process group; the model's parameters are on several devices; ``hsdp`` with a world
+                size that the processes per node do not divide.
         """
         from torch.distributed.fsdp import fully_shard
 
@@ -129,8 +128,7 @@ class FSDPPlugin(DDPPlugin):
         if len(devices) > 1:
             raise ValueError(
                 f"FSDPPlugin: the model's parameters are on {sorted(map(str, devices))}; fully_shard shards a model "
-                "on one device per rank: move it with model.to(device) first (pipeline stages across devices are not "
-                "sharded by FSDP)"
+                "on one device per rank: move it with model.to(device) first"
             )
         self.device_ids = device_ids
         mesh = self._mesh(device_ids)
@@ -227,11 +225,6 @@ class FSDPPlugin(DDPPlugin):
             group["params"] = replaced
         self._unsharded = {}  # the unsharded tensors can go
         return optimizer
-
-    def on_before_forward(self, model: nn.Module, *args: Any) -> tuple[Any, ...]:
-        """``args`` moved to this rank's device (``cuda:<device id>``, else the CPU; see ``DDPPlugin``)."""
-        device = torch.device("cuda", self.device_ids[0]) if self.device_ids else torch.device("cpu")
-        return tuple(move_data_to_device(arg, device) for arg in args)
 
     @contextmanager
     def block_backward_sync(self, model: nn.Module) -> Iterator[None]:

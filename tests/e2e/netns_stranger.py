@@ -391,14 +391,18 @@ def replayed(out: Path) -> None:
         return outputs
 
     def connect() -> Any:
+        """A client of the job's store as soon as it listens: a plain socket polls the port first (torch's client
+        backs off for seconds between attempts to a port nobody listens on yet, and the stranger must be
+        faster than the job's late rank)."""
         deadline = time.monotonic() + 30
         while True:
             try:
+                socket.create_connection(("127.0.0.1", REPLAY_PORT), timeout=1).close()
                 return TCPStore("127.0.0.1", REPLAY_PORT, is_master=False, timeout=timedelta(seconds=5))
             except Exception:
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.01)
+                time.sleep(0.005)
 
     recorded: dict[str, bytes] = {}
 
