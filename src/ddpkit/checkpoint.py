@@ -25,6 +25,8 @@ import random
 import shutil
 import tempfile
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +124,8 @@ def save_sharded(state: dict[str, Any], directory: str | os.PathLike[str], name:
 
     target = Path(directory) / name
     temporary = target.with_name(f".{name}{_TEMPORARY_SUFFIX}")
-    dcp.save(state, checkpoint_id=temporary, no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
+    with _alone(dist.is_initialized()):
+        dcp.save(state, checkpoint_id=temporary, no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
     if not dist.is_initialized() or dist.get_rank() == 0:
         if target.exists():  # the same step written again (a run restarted from an older checkpoint)
             shutil.rmtree(target)
@@ -143,15 +146,26 @@ def load_sharded(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
 
     if not (Path(path) / ".metadata").exists():
         raise FileNotFoundError(f"no sharded checkpoint at {path} (its .metadata is missing)")
-    dcp.load(state, checkpoint_id=Path(path), no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
+    with _alone(dist.is_initialized()):
+        dcp.load(state, checkpoint_id=Path(path), no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _alone(distributed: bool) -> Iterator[None]:
+    """Without a process group: without torch's warning that it assumes one process (it is one, on purpose)."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def remove_unnamed_sharded(directory: str | os.PathLike[str], keep: str | None) -> None:
     """Remove the sharded checkpoints in ``directory`` other than ``keep`` (the one the checkpoint file names),
-    and unfinished ones (from one process, after the file that names ``keep`` is in place)."""
-    for path in Path(directory).iterdir():
-        finished = path.name.endswith(SHARDED_SUFFIX) and path.name != keep
-        unfinished = path.name.startswith(".") and path.name.endswith(SHARDED_SUFFIX + _TEMPORARY_SUFFIX)
+    and unfinished ones (from one process, after the file that names ``keep`` is in place). Only ``TrainLoop``'s
+    (``last-*.dcp``) are touched."""
+    for path in Path(directory).iterdir():  # TrainLoop's names only: last-....dcp (a user's own files stay)
+        finished = path.name.startswith("last-") and path.name.endswith(SHARDED_SUFFIX) and path.name != keep
+        unfinished = path.name.startswith(".last-") and path.name.endswith(SHARDED_SUFFIX + _TEMPORARY_SUFFIX)
         if (finished or unfinished) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
 

@@ -82,8 +82,9 @@ def test_a_sharded_checkpoint_is_renamed_into_place_and_unnamed_ones_go(tmp_path
     (tmp_path / "last-e0-s1-p3.dcp").mkdir()  # an older checkpoint's
     (tmp_path / ".last-e0-s6-p18.dcp.tmp").mkdir()  # a write that did not finish
     (tmp_path / "notes.dcp.txt").write_text("the user's")
+    (tmp_path / "mine.dcp").mkdir()  # the user's own
     TrainState({}, {}, 0, 9, torch.zeros(2), 3, 0, 1, [], sharded=path.name).save(tmp_path / "last.pt")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last-e0-s3-p9.dcp", "last.pt", "notes.dcp.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last-e0-s3-p9.dcp", "last.pt", "mine.dcp", "notes.dcp.txt"]
     with pytest.raises(FileNotFoundError, match="metadata"):
         load_sharded(loaded, tmp_path / "last-e0-s1-p3.dcp")
 
