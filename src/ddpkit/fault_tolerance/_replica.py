@@ -212,11 +212,12 @@ class ReplicaGroup:
 
         Raises:
             TimeoutError: no quorum, in a group's first start (the lighthouse is not there yet, or unreachable).
+            RuntimeError: torchft's transport error in a group's first start (the same, as its client says it).
         """
         try:
             return len(self.members)
-        except TimeoutError:
-            if not self._restarted:
+        except (TimeoutError, RuntimeError) as exc:  # RuntimeError: torchft's "transport error" (lighthouse gone)
+            if not self._restarted or (isinstance(exc, RuntimeError) and "transport error" not in str(exc)):
                 raise
             log.warning("replica group %s: started again, it reaches no lighthouse that answers", self._replica_id)
             return 0
