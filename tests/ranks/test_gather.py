@@ -34,7 +34,9 @@ def _gather_shapes(cols: list[int], rows: list[int], dtype: torch.dtype) -> list
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16, torch.float64, torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.int64, torch.bfloat16, torch.float64, torch.bool, torch.complex64, torch.uint16]
+)
 def test_any_dimension_may_differ_and_values_are_exact(world_size: int, dtype: torch.dtype) -> None:
     rows, cols = [3, 0, 5][:world_size], [4, 1, 2][:world_size]
     for result in run_parallel(_gather_shapes, cols, rows, dtype, world_size=world_size):
@@ -59,6 +61,20 @@ def _scalars_and_empties() -> list[Any]:
 
 def test_zero_d_and_empty_tensors_and_the_own_entry_is_not_copied() -> None:
     assert run_parallel(_scalars_and_empties, world_size=3) == [[[0.0, 1.5, 3.0], [(0, 3)] * 3, True]] * 3
+
+
+def _views() -> list[list[float]]:
+    rank = dist.get_rank()
+    base = torch.arange(24.0).reshape(4, 6) + 100 * rank
+    transposed = gather_all_tensors(base.t())  # not contiguous
+    offset = gather_all_tensors(base[1:, 2:4])  # a view starting inside its storage
+    return [t.flatten().tolist() for t in transposed + offset]
+
+
+def test_non_contiguous_and_offset_views_arrive_as_their_values() -> None:
+    bases = [torch.arange(24.0).reshape(4, 6) + 100 * r for r in range(2)]
+    expected = [b.t().flatten().tolist() for b in bases] + [b[1:, 2:4].flatten().tolist() for b in bases]
+    assert run_parallel(_views, world_size=2) == [expected] * 2
 
 
 def _mismatch(kind: str) -> tuple[str, str, float]:

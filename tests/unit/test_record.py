@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ddpkit.collectives import _record as record
 from ddpkit.collectives._framing import PREFIX, body_offset
-from ddpkit.collectives._transport import decode_header, encode_header
+from ddpkit.collectives._transport import decode_header, encode_header, tensor_head, tensor_placements
 from ddpkit.errors import DDPKitError
 
 
@@ -53,3 +53,62 @@ def test_a_tensor_descriptor_header_is_compact() -> None:
     head = encode_header({"dtype": "float32", "shape": [4, 8]})
     assert len(head) == 3 + 2 * 8
     assert decode_header(head) == {"dtype": "float32", "shape": [4, 8]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex128])
+@pytest.mark.parametrize("ndim", [0, 1, 2, 16])
+def test_a_tensors_head_is_the_compact_header_of_its_dtype_and_shape(dtype: torch.dtype, ndim: int) -> None:
+    tensor = torch.zeros([2] * min(ndim, 2) + [1] * max(0, ndim - 2), dtype=dtype)
+    head = tensor_head(tensor)
+    assert head == encode_header({"dtype": str(dtype).removeprefix("torch."), "shape": list(tensor.shape)})
+    assert head is not None
+    assert decode_header(head)["shape"] == list(tensor.shape)
+
+
+def test_a_tensor_the_compact_form_does_not_hold_has_no_head() -> None:
+    assert tensor_head(torch.zeros(2, dtype=torch.uint16)) is None
+    assert tensor_head(torch.zeros([1] * 17)) is None
+
+
+def _records(tensors: list[torch.Tensor | None], capacity: int, heads: list[bytes] | None = None) -> torch.Tensor:
+    written = []
+    for r, tensor in enumerate(tensors):
+        head = heads[r] if heads else tensor_head(tensor) if tensor is not None else encode_header({"error": ["x"]})
+        assert head is not None
+        nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
+        written.append(record.write(head, tensor, nbytes, capacity))
+    return torch.cat(written)
+
+
+def test_tensor_placements_find_every_ranks_tensor_in_place() -> None:
+    tensors = [torch.arange(4.0).reshape(1, 4), torch.arange(12.0).reshape(3, 4) + 10, torch.empty(0, 4)]
+    records = _records(tensors, 256)
+    head = tensor_head(tensors[0])
+    assert head is not None
+    placements = tensor_placements(record.memory_of(records), 256, head, same_shape=False)
+    assert placements is not None
+    typed = records.view(torch.float32)
+    for r, (shape, start, nbytes) in enumerate(placements):
+        assert (list(shape), nbytes, start % 16) == (list(tensors[r].shape), tensors[r].numel() * 4, 0)
+        got = typed[start // 4 : start // 4 + nbytes // 4].reshape(list(shape))
+        assert torch.equal(got, tensors[r])
+
+
+@pytest.mark.parametrize(
+    ("others", "capacity", "same_shape"),
+    [
+        ([torch.zeros(3, 4, dtype=torch.float64)], 256, False),  # another dtype
+        ([torch.zeros(3)], 256, False),  # another number of dimensions
+        ([torch.zeros(3, 4)], 256, True),  # another shape where shapes must be equal
+        ([torch.zeros(60, 4)], 256, False),  # too large to ride in its record
+        ([None], 256, False),  # a rank that sent an error instead
+    ],
+)
+def test_tensor_placements_leave_every_other_case_to_the_full_reading(
+    others: list[torch.Tensor | None], capacity: int, same_shape: bool
+) -> None:
+    mine = torch.zeros(2, 4)
+    head = tensor_head(mine)
+    assert head is not None
+    records = _records([mine, *others], capacity)
+    assert tensor_placements(record.memory_of(records), capacity, head, same_shape) is None

@@ -23,7 +23,18 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["ALIGNMENT", "BODY_INLINE", "HEAD_INLINE", "PREFIX", "align", "body_offset", "pack_prefix", "unpack_prefix"]
+__all__ = [
+    "ALIGNMENT",
+    "BODY_INLINE",
+    "HEAD_INLINE",
+    "MAGIC",
+    "PREFIX",
+    "VERSION",
+    "align",
+    "body_offset",
+    "pack_prefix",
+    "unpack_prefix",
+]
 
 #: Every part of a body starts at a multiple of this many bytes.
 ALIGNMENT = 16
@@ -31,7 +42,8 @@ ALIGNMENT = 16
 PREFIX = struct.Struct("<2sBBIQ")
 #: Flags of a gather's record: its head, or its body, is in the record itself.
 HEAD_INLINE, BODY_INLINE = 1, 2
-_MAGIC, _VERSION = b"DK", 1
+#: The first two bytes of every frame, and the format's version (its third byte).
+MAGIC, VERSION = b"DK", 1
 
 
 def align(n: int) -> int:
@@ -46,7 +58,7 @@ def body_offset(head_length: int) -> int:
 
 def pack_prefix(head_length: int, body_length: int, flags: int = 0) -> bytes:
     """The 16 prefix bytes of a frame."""
-    return PREFIX.pack(_MAGIC, _VERSION, flags, head_length, body_length)
+    return PREFIX.pack(MAGIC, VERSION, flags, head_length, body_length)
 
 
 def unpack_prefix(data: bytes | memoryview | bytearray, offset: int = 0) -> tuple[int, int, int]:
@@ -56,6 +68,6 @@ def unpack_prefix(data: bytes | memoryview | bytearray, offset: int = 0) -> tupl
         ValueError: the bytes there are not a ddpkit frame (wrong magic or version).
     """
     magic, version, flags, head_length, body_length = PREFIX.unpack_from(data, offset)
-    if magic != _MAGIC or version != _VERSION:
+    if magic != MAGIC or version != VERSION:
         raise ValueError(f"not a ddpkit frame (magic {bytes(magic)!r}, version {version})")
     return flags, head_length, body_length

@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 
-from ddpkit.collectives._framing import BODY_INLINE, HEAD_INLINE, PREFIX, body_offset, pack_prefix, unpack_prefix
+from ddpkit.collectives._framing import BODY_INLINE, HEAD_INLINE, MAGIC, PREFIX, VERSION, body_offset, pack_prefix
 from ddpkit.errors import DDPKitError
 
-__all__ = ["Header", "RecordView", "host_bytes", "read_all", "write", "write_plain"]
+__all__ = ["Header", "RecordView", "host_bytes", "memory_of", "read_all", "write", "write_plain"]
 
 
 class Header(TypedDict, total=False):
@@ -54,9 +53,8 @@ class Header(TypedDict, total=False):
     desc: str  # sync_ddp's description of its input, sent only to name a mismatch
 
 
-@dataclass(frozen=True)
-class RecordView:
-    """What one rank's record says.
+class RecordView(NamedTuple):
+    """What one rank's record says (a tuple: built for every rank on every gather).
 
     Attributes:
         header_bytes: the header's length (inline or not).
@@ -92,14 +90,15 @@ def write(head: bytes, payload: torch.Tensor | None, nbytes: int, capacity: int)
         capacity: the record's size.
     """
     flags = _flags(head, nbytes, capacity)
-    record = torch.zeros(capacity, dtype=torch.uint8)
+    record = torch.empty(capacity, dtype=torch.uint8)  # the torch call the gather's output makes too
     address = record.data_ptr()
+    ctypes.memset(address, 0, capacity)
     ctypes.memmove(address, pack_prefix(len(head), nbytes, flags), PREFIX.size)
     if flags & HEAD_INLINE and head:
         ctypes.memmove(address + PREFIX.size, head, len(head))
     if flags & BODY_INLINE and nbytes:
         assert payload is not None
-        host = payload if payload.device.type == "cpu" and payload.is_contiguous() else payload.contiguous().cpu()
+        host = payload if payload.is_cpu and payload.is_contiguous() else payload.contiguous().cpu()
         ctypes.memmove(address + body_offset(len(head)), host.data_ptr(), nbytes)
     return record
 
@@ -126,26 +125,29 @@ def read_all(records: torch.Tensor, capacity: int, decode: Callable[[bytes], Hea
             running the same collectives in the same order).
     """
     host = records if records.device.type == "cpu" else records.cpu()
-    memory = (ctypes.c_char * host.numel()).from_address(host.data_ptr())  # `host` stays alive until we return
-    return [_read(memory, rank * capacity, rank, decode) for rank in range(host.numel() // capacity)]
+    size = host.numel()
+    memory = memory_of(host)
+    views = []
+    for offset in range(0, size, capacity):  # one loop, no calls but the decoder's: it runs on every gather
+        magic, version, flags, header_bytes, payload_bytes = PREFIX.unpack_from(memory, offset)
+        if magic != MAGIC or version != VERSION:
+            raise DDPKitError(
+                f"rank {offset // capacity} sent something other than a ddpkit record (magic {magic!r}, version "
+                f"{version}): the ranks are not running the same collectives in the same order"
+            )
+        start = offset + PREFIX.size
+        header = decode(memory[start : start + header_bytes]) if flags & HEAD_INLINE else None
+        views.append(RecordView(header_bytes, payload_bytes, header, bool(flags & BODY_INLINE)))
+    return views
+
+
+def memory_of(host: torch.Tensor) -> Any:
+    """A CPU tensor's bytes as a ``ctypes`` char array, read in place (its slices are ``bytes``, and
+    ``struct.unpack_from`` reads it); the caller keeps ``host`` alive while it reads."""
+    return (ctypes.c_char * (host.numel() * host.element_size())).from_address(host.data_ptr())
 
 
 def host_bytes(tensor: torch.Tensor) -> bytes:
     """A copy of a 1-D ``uint8`` tensor's bytes (read straight from memory on the CPU)."""
     host = tensor if tensor.device.type == "cpu" else tensor.cpu()
     return ctypes.string_at(host.data_ptr(), host.numel()) if host.numel() else b""
-
-
-def _read(memory: Any, offset: int, rank: int, decode: Callable[[bytes], Header]) -> RecordView:
-    try:
-        flags, header_bytes, payload_bytes = unpack_prefix(memory, offset)
-    except ValueError as exc:
-        raise DDPKitError(
-            f"rank {rank} sent something other than a ddpkit record ({exc}): the ranks are not running the same "
-            "collectives in the same order"
-        ) from None
-    header = None
-    if flags & HEAD_INLINE:
-        start = offset + PREFIX.size
-        header = decode(bytes(memory[start : start + header_bytes]))
-    return RecordView(header_bytes, payload_bytes, header, bool(flags & BODY_INLINE))

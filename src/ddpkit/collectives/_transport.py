@@ -18,36 +18,49 @@ A rank whose own input is bad sends an error header instead of data, so every
 rank raises together instead of leaving the others waiting.
 
 The code between collectives is kept to few torch calls: right after a
-blocking collective each one costs several times its usual time (measured:
-building a record takes 8 us warm, 46 us after a barrier).
+blocking collective each distinct one costs several times its usual time on a
+busy machine (measured on 2 ranks sharing 2 cores: the first torch call after
+the collective 8-10 us, the same call again 3.5 us, 0.3 us warm). So a gather of
+one small tensor per rank (:func:`gather_tensor_records`) prepares its views
+before the collective and after it reads every record with one
+``struct.unpack_from`` and makes one view per other rank; the records are those
+of step 1, so when they are not all alike, step 2 reads the same bytes in full.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import weakref
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.collectives import _record as record
 from ddpkit.collectives._codec import dtype_name
-from ddpkit.collectives._framing import align
+from ddpkit.collectives._framing import BODY_INLINE, HEAD_INLINE, MAGIC, PREFIX, VERSION, align, body_offset
 from ddpkit.errors import DDPKitError
 from ddpkit.process_group import device_of_group, is_distributed
 
 __all__ = [
     "GroupInfo",
+    "Records",
     "broadcast_bytes",
     "decode_header",
     "encode_header",
     "error_header",
     "exchange",
     "exchange_headers",
+    "exchange_rest",
+    "gather_tensor_records",
     "inline_capacity",
     "raise_errors",
+    "read_records",
+    "send_records",
+    "tensor_head",
+    "tensor_placements",
 ]
 
 Header = record.Header
@@ -57,6 +70,10 @@ Check = Callable[[list[Header]], None]
 _SMALL_TOTAL = 1 << 20
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 _CPU = torch.device("cpu")
+
+
+def _nothing() -> None:
+    return None
 
 
 class GroupInfo(NamedTuple):
@@ -88,12 +105,19 @@ class GroupInfo(NamedTuple):
         Raises:
             ValueError: this rank is not a member of ``group``.
         """
+        global _last_info
         if not is_distributed():
             return GroupInfo(group, False, 1, 0, _CPU)
         pg = group if group is not None else dist.group.WORLD
+        last_group, info = _last_info
+        if last_group() is pg and info.group is group:
+            return info
         if not isinstance(pg, dist.ProcessGroup):
             raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the process group it was given")
-        return GroupInfo(group, True, pg.size(), pg.rank(), device_of_group(pg, group))
+        info = GroupInfo(group, True, pg.size(), pg.rank(), device_of_group(pg, group))
+        if info.device.type == "cpu":  # a CUDA group's device follows torch.cuda.set_device: looked up each time
+            _last_info = (weakref.ref(pg), info)
+        return info
 
     @property
     def alone(self) -> bool:
@@ -105,21 +129,38 @@ class GroupInfo(NamedTuple):
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
 
+# The last CPU group GroupInfo.of looked up (a weak reference: a destroyed group is not kept alive), and its facts:
+# a group's size and this rank's place in it never change, and most programs use one group.
+_last_info: tuple[Callable[[], dist.ProcessGroup | None], GroupInfo] = (_nothing, GroupInfo(None, False, 1, 0, _CPU))
+
+
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )  # fmt: skip
-_DTYPE_CODES = {dtype_name(dtype): code for code, dtype in enumerate(_DTYPES)}
+_DTYPE_NAMES = [dtype_name(dtype) for dtype in _DTYPES]
+_DTYPE_CODES = {name: code for code, name in enumerate(_DTYPE_NAMES)}
+_CODE_OF_DTYPE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _TENSOR_HEADER = struct.Struct("<BBB")  # form (1 = tensor), dtype code, number of dimensions; then int64 sizes
+_SIZES = [struct.Struct(f"<{ndim}q") for ndim in range(17)]
+# A record holding a tensor's head, by number of dimensions: the record's prefix, then the head's fields.
+_TENSOR_RECORDS = [struct.Struct(PREFIX.format + _TENSOR_HEADER.format[1:] + sizes.format[1:]) for sizes in _SIZES]
+
+
+def tensor_head(tensor: torch.Tensor) -> bytes | None:
+    """:func:`encode_header` of ``{"dtype": ..., "shape": ...}`` for ``tensor``, without the dict; ``None`` for a
+    dtype or a number of dimensions that the compact form does not hold."""
+    code, shape = _CODE_OF_DTYPE.get(tensor.dtype), tensor.shape
+    if code is None or len(shape) > 16:
+        return None
+    return _TENSOR_HEADER.pack(1, code, len(shape)) + _SIZES[len(shape)].pack(*shape)
 
 
 def encode_header(header: Header) -> bytes:
     """A header's bytes: a compact binary form for tensor descriptors (``dtype``, ``shape``), JSON otherwise."""
     if header.keys() == {"dtype", "shape"} and header["dtype"] in _DTYPE_CODES and len(header["shape"]) <= 16:
         shape = header["shape"]
-        return _TENSOR_HEADER.pack(1, _DTYPE_CODES[header["dtype"]], len(shape)) + struct.pack(
-            f"<{len(shape)}q", *shape
-        )
+        return _TENSOR_HEADER.pack(1, _DTYPE_CODES[header["dtype"]], len(shape)) + _SIZES[len(shape)].pack(*shape)
     return b"\x00" + json.dumps(header, separators=(",", ":")).encode()
 
 
@@ -127,7 +168,7 @@ def decode_header(data: bytes) -> Header:
     """The inverse of :func:`encode_header`."""
     if data[:1] == b"\x01":
         _, code, ndim = _TENSOR_HEADER.unpack_from(data)
-        return {"dtype": dtype_name(_DTYPES[code]), "shape": list(struct.unpack_from(f"<{ndim}q", data, 3))}
+        return {"dtype": _DTYPE_NAMES[code], "shape": list(_SIZES[ndim].unpack_from(data, 3))}
     header: Header = json.loads(data[1:])
     return header
 
@@ -166,30 +207,136 @@ def as_bytes(payload: torch.Tensor | None) -> torch.Tensor:
     return flat.reshape(-1).view(torch.uint8)
 
 
-def exchange_headers(
-    what: str, header: Header, payload: torch.Tensor | None, info: GroupInfo, check: Check | None = None
-) -> tuple[list[Header], list[torch.Tensor | None], list[int]]:
-    """Steps 1 and 2 of :func:`exchange`: every header, and the payloads that fit in the fixed record.
+class Records(NamedTuple):
+    """Every rank's record once the first step of :func:`exchange` is done and the headers are checked.
+
+    Attributes:
+        headers: every rank's header, in rank order.
+        views: what every rank's record says, in rank order.
+        buffer: every rank's record, ``(world_size * capacity,)`` ``uint8`` on the group's device.
+        capacity: one record's size in bytes.
+    """
+
+    headers: list[Header]
+    views: list[record.RecordView]
+    buffer: torch.Tensor
+    capacity: int
+
+    def inline_payload(self, rank: int) -> torch.Tensor | None:
+        """Rank ``rank``'s payload bytes (a 1-D ``uint8`` view of :attr:`buffer`), or ``None`` when it did not
+        fit in its record."""
+        view = self.views[rank]
+        if not view.payload_inline:
+            return None
+        start = rank * self.capacity + view.payload_offset
+        return self.buffer[start : start + view.payload_bytes]
+
+
+#: Where a rank's tensor lies in the gathered records: its shape, its first byte, its length in bytes.
+Placement = tuple[Sequence[int], int, int]
+
+
+def gather_tensor_records(
+    head: bytes, payload: torch.Tensor | None, info: GroupInfo, same_shape: bool
+) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """Step 1 of :func:`exchange` for a gather of one tensor per rank, with its fast ending.
+
+    Args:
+        head: this rank's header (:func:`tensor_head` for a tensor; any :func:`encode_header` otherwise).
+        payload: this rank's tensor, or ``None``.
+        info: the group, of several ranks.
+        same_shape: the fast ending needs every rank's shape to equal this rank's (else only the dtype and
+            the number of dimensions).
 
     Returns:
-        ``(headers, payloads, sizes)`` in rank order: a payload is 1-D ``uint8``,
-        or ``None`` when it did not fit (its ``sizes`` entry says how many bytes
-        it has); this rank's own entry is ``payload`` as given (not its bytes).
+        ``(gathered, tensors)``: every rank's record (:func:`read_records` reads them), and every rank's
+        tensor (``payload`` itself for this rank; the others views of ``gathered``, on ``payload``'s device)
+        when every rank sent a tensor of ``payload``'s kind that fits in its record (:func:`tensor_placements`),
+        else ``None``: the caller reads the records in full, which raises on a mismatch and names it.
+    """
+    capacity = inline_capacity(info.world_size)
+    gathered = torch.empty(info.world_size * capacity, dtype=torch.uint8, device=info.device)
+    if payload is None or head[:1] != b"\x01":
+        return send_records(head, payload, info, gathered), None
+    # Prepared before the collective: right after it, each distinct torch call costs several times its usual
+    # time on a busy machine, and what follows it here is struct reads and one view per rank.
+    typed = gathered.view(payload.dtype)
+    memory = None if info.nccl else record.memory_of(gathered)
+    device = payload.device
+    send_records(head, payload, info, gathered)
+    host = gathered.cpu() if memory is None else gathered  # kept alive while `memory` is read
+    placements = tensor_placements(record.memory_of(host) if memory is None else memory, capacity, head, same_shape)
+    if placements is None:
+        return gathered, None
+    if device != info.device:
+        typed = typed.to(device)
+    itemsize = payload.element_size()
+    tensors = []
+    for r, (shape, start, nbytes) in enumerate(placements):
+        if r == info.rank:
+            tensors.append(payload)
+            continue
+        strides, size = [], 1
+        for dim in reversed(shape):
+            strides.append(size)
+            size *= dim
+        if size * itemsize != nbytes:
+            raise DDPKitError(f"rank {r} sent {nbytes} bytes for a {payload.dtype} tensor of shape {list(shape)}")
+        tensors.append(typed.as_strided(shape, strides[::-1], start // itemsize))
+    return gathered, tensors
+
+
+def tensor_placements(memory: Any, capacity: int, head: bytes, same_shape: bool) -> list[Placement] | None:
+    """Every rank's tensor in ``memory`` (every rank's record, :func:`~ddpkit.collectives._record.memory_of`),
+    read without decoding headers, when every rank sent a tensor inside its record with the dtype and number
+    of dimensions of ``head`` (this rank's :func:`tensor_head`), and the same shape too when ``same_shape``;
+    else ``None``.
+
+    Every rank holds the same records, so the ranks get ``None`` together or not at all. One ``unpack_from``
+    per rank: this runs on every small gather, right after its collective.
+    """
+    layout = _TENSOR_RECORDS[head[2]]
+    expected = (MAGIC, VERSION, HEAD_INLINE | BODY_INLINE, len(head), *_TENSOR_HEADER.unpack_from(head))
+    own_shape = list(_SIZES[head[2]].unpack_from(head, _TENSOR_HEADER.size)) if same_shape else None
+    start = body_offset(len(head))
+    placements: list[Placement] = []
+    for offset in range(0, len(memory), capacity):
+        magic, version, flags, head_bytes, nbytes, *described = layout.unpack_from(memory, offset)
+        shape = described[3:]
+        if (magic, version, flags, head_bytes, *described[:3]) != expected or (same_shape and shape != own_shape):
+            return None
+        placements.append((shape, offset + start, nbytes))
+    return placements
+
+
+def send_records(
+    head: bytes, payload: torch.Tensor | None, info: GroupInfo, gathered: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Step 1 of :func:`exchange` in a group of several ranks: one ``all_gather`` of every rank's record.
+
+    Returns:
+        ``gathered`` (allocated when not given): ``(world_size * capacity,)`` ``uint8`` on the group's
+        device, rank ``r``'s record at ``r * inline_capacity(world_size)``.
     """
     nbytes = payload.numel() * payload.element_size() if payload is not None else 0
-    if info.alone:
-        raise_errors(what, [header])
-        if check is not None:
-            check([header])
-        return [header], [payload], [nbytes]
+    capacity = inline_capacity(info.world_size)
+    sent = record.write(head, payload, nbytes, capacity)
+    if gathered is None:
+        gathered = torch.empty(info.world_size * capacity, dtype=torch.uint8, device=info.device)
+    _all_gather_flat(gathered, sent.to(info.device) if info.nccl else sent, info.group)
+    return gathered
 
-    world_size, capacity = info.world_size, inline_capacity(info.world_size)
-    head = encode_header(header)
-    gathered = torch.empty(world_size * capacity, dtype=torch.uint8, device=info.device)
-    _all_gather_flat(gathered, record.write(head, payload, nbytes, capacity).to(info.device), info.group)
+
+def read_records(what: str, head: bytes, gathered: torch.Tensor, info: GroupInfo, check: Check | None) -> Records:
+    """Step 2 of :func:`exchange`: every rank's header from ``gathered`` (:func:`send_records`; headers too
+    large for their record move now), then the error headers and ``check``.
+
+    Raises:
+        TypeError, ValueError, DDPKitError: some rank sent an error header; whatever ``check`` raises.
+    """
+    capacity = inline_capacity(info.world_size)
     views = record.read_all(gathered, capacity, decode_header)
     headers = [view.header for view in views]
-
     missing = [0 if view.header is not None else align(view.header_bytes) for view in views]
     if any(missing):  # some header did not fit in the record: move the headers alone
         padded = head + bytes(align(len(head)) - len(head)) if missing[info.rank] else b""
@@ -202,16 +349,31 @@ def exchange_headers(
     raise_errors(what, complete)
     if check is not None:
         check(complete)
-    payloads: list[torch.Tensor | None] = []
-    for r, view in enumerate(views):
-        if not view.payload_inline:
-            payloads.append(None)
-        elif r == info.rank:
-            payloads.append(payload)
-        else:
-            start = r * capacity + view.payload_offset
-            payloads.append(gathered[start : start + view.payload_bytes])
-    return complete, payloads, [view.payload_bytes for view in views]
+    return Records(complete, views, gathered, capacity)
+
+
+def exchange_headers(
+    what: str, header: Header, payload: torch.Tensor | None, info: GroupInfo, check: Check | None = None
+) -> tuple[list[Header], list[torch.Tensor | None], list[int]]:
+    """Steps 1 and 2 of :func:`exchange`: every header, and the payloads that fit in the fixed record.
+
+    Returns:
+        ``(headers, payloads, sizes)`` in rank order: a payload is 1-D ``uint8``,
+        or ``None`` when it did not fit (its ``sizes`` entry says how many bytes
+        it has); this rank's own entry is ``payload`` as given (not its bytes).
+    """
+    if info.alone:
+        raise_errors(what, [header])
+        if check is not None:
+            check([header])
+        return [header], [payload], [payload.numel() * payload.element_size() if payload is not None else 0]
+    head = encode_header(header)
+    records = read_records(what, head, send_records(head, payload, info), info, check)
+    payloads = [
+        None if not view.payload_inline else payload if r == info.rank else records.inline_payload(r)
+        for r, view in enumerate(records.views)
+    ]
+    return records.headers, payloads, [view.payload_bytes for view in records.views]
 
 
 def exchange(
@@ -242,13 +404,22 @@ def exchange(
             :func:`raise_errors`); whatever ``check`` raises.
     """
     headers, payloads, sizes = exchange_headers(what, header, payload, info, check)
+    return list(zip(headers, exchange_rest(payload, payloads, sizes, info), strict=True))
+
+
+def exchange_rest(
+    payload: torch.Tensor | None, payloads: list[torch.Tensor | None], sizes: list[int], info: GroupInfo
+) -> list[torch.Tensor]:
+    """Step 3 of :func:`exchange`: move the payloads that did not fit in their records (``None`` in
+    ``payloads``, ``sizes`` bytes each); every rank's payload, this rank's ``payload`` as given (empty for
+    ``None``)."""
     missing = [size if received is None else 0 for received, size in zip(payloads, sizes, strict=True)]
     if any(missing):
         mine = as_bytes(payload).to(info.device) if missing[info.rank] else _EMPTY
         for r, blob in enumerate(_uneven_gather(mine, missing, info)):
             if payloads[r] is None:
                 payloads[r] = payload if r == info.rank else blob
-    return [(h, p if p is not None else _EMPTY) for h, p in zip(headers, payloads, strict=True)]
+    return [p if p is not None else _EMPTY for p in payloads]
 
 
 def broadcast_bytes(

@@ -9,7 +9,17 @@ import torch.distributed as dist
 
 from ddpkit._compat import override
 from ddpkit.collectives._codec import dtype_name
-from ddpkit.collectives._transport import GroupInfo, Header, error_header, exchange
+from ddpkit.collectives._transport import (
+    GroupInfo,
+    Header,
+    encode_header,
+    error_header,
+    exchange_headers,
+    exchange_rest,
+    gather_tensor_records,
+    read_records,
+    tensor_head,
+)
 from ddpkit.errors import CollectiveMismatchError
 from ddpkit.process_group import collective_device, get_rank, is_distributed
 
@@ -51,13 +61,16 @@ def gather_all_tensors(result: torch.Tensor, group: dist.ProcessGroup | None = N
 
 
 def _gather(result: Any, group: dist.ProcessGroup | None, what: str, same_shape: bool) -> list[torch.Tensor]:
+    header: Header | None = None  # the dict form, built only when the fast path below cannot take this call
     if isinstance(result, torch.Tensor) and result.layout == torch.strided:
-        header: Header = {"dtype": dtype_name(result.dtype), "shape": list(result.shape)}
         payload: torch.Tensor | None = result
-    elif isinstance(result, torch.Tensor):
-        header, payload = error_header(TypeError(f"{what} needs a dense tensor, got a {result.layout} one")), None
+        head = tensor_head(result)
     else:
-        header, payload = error_header(TypeError(f"{what} needs a tensor, got {type(result).__name__}")), None
+        payload, head = None, None
+        if isinstance(result, torch.Tensor):
+            header = error_header(TypeError(f"{what} needs a dense tensor, got a {result.layout} one"))
+        else:
+            header = error_header(TypeError(f"{what} needs a tensor, got {type(result).__name__}"))
 
     def check(headers: list[Header]) -> None:
         first = headers[0]
@@ -71,10 +84,23 @@ def _gather(result: Any, group: dist.ProcessGroup | None, what: str, same_shape:
                 )
 
     info = GroupInfo.of(group)
-    gathered = exchange(what, header, payload, info, check)
+    if info.alone or head is None:
+        if header is None:
+            header = {"dtype": dtype_name(result.dtype), "shape": list(result.shape)}
+        if info.alone:
+            exchange_headers(what, header, payload, info, check)  # raises what the ranks would
+            return [result]
+        head = encode_header(header)
+    gathered, fast = gather_tensor_records(head, payload, info, same_shape)
+    if fast is not None:  # small tensors of one kind: views of the records, nothing more to check or move
+        return fast
+    records = read_records(what, head, gathered, info, check)  # raises on a mismatch, or large tensors
     assert isinstance(result, torch.Tensor)
-    tensors: list[torch.Tensor] = []
-    for r, (h, data) in enumerate(gathered):
+    payloads = [records.inline_payload(r) for r in range(info.world_size)]
+    payloads[info.rank] = None if payloads[info.rank] is None else result
+    received = exchange_rest(payload, payloads, [view.payload_bytes for view in records.views], info)
+    tensors = []
+    for r, (h, data) in enumerate(zip(records.headers, received, strict=True)):
         if r == info.rank:
             tensors.append(result)
         elif not data.numel():
