@@ -1,11 +1,15 @@
 """ddpkit's fixed costs in microseconds: a DDP step through ``DDPPlugin`` and a ``TrainLoop`` step against a
 hand-written loop, and each public collective against the raw torch call of the same bytes, with tiny inputs.
 
-    python bench/microseconds.py [--nprocs 1,2] [--rounds 21] [--calls 200] [--device cpu|cuda]
+    python bench/microseconds.py [--nprocs 1,2] [--rounds 21] [--calls 200] [--collective-rounds 61]
+                                 [--collective-calls 40] [--device cpu|cuda]
 
-1 and then 2 gloo ranks on loopback (``--nprocs``; ``--device cuda``: NCCL, one rank per GPU). Each workload
-runs ``--calls`` calls of ours and of the raw twin in alternating rounds (the order flips each round; a barrier
-before each run), so the machine's noise hits both alike; a round's time per call is the slowest rank's. Printed
+1 and then 2 gloo ranks on loopback (``--nprocs``; ``--device cuda``: NCCL, one rank per GPU). Each step workload
+runs ``--calls`` steps of ours and of the raw twin in alternating rounds (the order flips each round; a barrier
+before each run), so the machine's noise hits both alike; each collective runs ``--collective-calls`` calls a
+round, in more and shorter rounds, so that the two runs of a pair lie closer in time (with 21 rounds of 200
+calls, the 2-rank gather's ratio varied from 1.15 to 1.45 between runs of the same code on a 2-core machine). A
+round's time per call is the slowest rank's. Printed
 per workload: the medians over the rounds of the time per call, ``+us`` (ours minus raw) and the median of the
 paired ratios. The targets are those of ddpkit's fixed-cost goals: on one rank the ``DDPPlugin`` step at most
 1.01x raw DDP and the scalar mean at most 1.10x a raw ``all_reduce``; on two ranks the small uneven gather at
@@ -163,18 +167,19 @@ def _timed(fn: Callable[[], Any], calls: int) -> float:
     return float(elapsed)
 
 
-def measure(rounds: int, calls: int, device_type: str) -> list[tuple[str, float, float, float, float | None]]:
+def measure(rounds: int, calls: int, collective_rounds: int, collective_calls: int, device_type: str
+            ) -> list[tuple[str, float, float, float, float | None]]:  # fmt: skip
     """Per workload: median seconds per call of ours and raw, the median paired ratio, the target."""
     device = rank_device() if device_type == "cuda" else torch.device("cpu")
     targets = TARGETS.get(dist.get_world_size(), {})
     rows = []
     for name, ours, raw, _, own_calls in [*_step_workloads(device, calls), *_collective_workloads(device)]:
-        per_run = own_calls or calls  # calls inside one run of the workload
-        repeat = 0 if own_calls else calls
+        per_run = own_calls or collective_calls  # calls inside one run of the workload
+        repeat = 0 if own_calls else collective_calls
         for fn in (ours, raw):  # warm up
             _timed(fn, repeat)
         times: dict[str, list[float]] = {"ours": [], "raw": []}
-        for number in range(rounds):
+        for number in range(rounds if own_calls else collective_rounds):
             for which in ("ours", "raw") if number % 2 == 0 else ("raw", "ours"):
                 times[which].append(_timed(ours if which == "ours" else raw, repeat) / per_run)
         ratios = [o / r for o, r in zip(times["ours"], times["raw"], strict=True)]
@@ -187,16 +192,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", default="1,2", help="world sizes to measure, comma-separated (default 1,2)")
     parser.add_argument("--rounds", type=int, default=21)
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=200, help="steps a round (default 200)")
+    parser.add_argument("--collective-rounds", type=int, default=61)
+    parser.add_argument("--collective-calls", type=int, default=40, help="collective calls a round (default 40)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
     for number, nprocs in enumerate(int(n) for n in args.nprocs.split(",")):
         if args.device == "cuda":
             nprocs = min(nprocs, torch.cuda.device_count())
-        rows = ddpkit.launch(measure, args.rounds, args.calls, args.device, nprocs=nprocs, backend=backend)[0]
-        print(f"{chr(10) if number else ''}{nprocs} {backend} rank(s), {args.rounds} alternating rounds of "
-              f"{args.calls} calls; torch {torch.__version__}")  # fmt: skip
+        rows = ddpkit.launch(measure, args.rounds, args.calls, args.collective_rounds, args.collective_calls,
+                             args.device, nprocs=nprocs, backend=backend)[0]  # fmt: skip
+        print(f"{chr(10) if number else ''}{nprocs} {backend} rank(s); alternating rounds: steps {args.rounds} x "
+              f"{args.calls}, collectives {args.collective_rounds} x {args.collective_calls}; torch "
+              f"{torch.__version__}")  # fmt: skip
         print(f"{'workload':40} {'ddpkit us':>10} {'raw us':>9} {'+us':>8} {'ratio':>6} {'target':>8}")
         for name, ours, raw, ratio, target in rows:
             goal = "" if target is None else f"<= {target:g}"

@@ -142,8 +142,14 @@ class DDPPlugin:
         Returns:
             The (moved) arguments, as a tuple.
         """
-        device = _device_of(model)
-        return tuple(move_data_to_device(arg, device) for arg in args) if device is not None else args
+        # DDP keeps its module's device (it cannot move once wrapped): no walk through the modules each step.
+        device = getattr(model, "device", None) if isinstance(model, DistributedDataParallel) else None
+        device = device if isinstance(device, torch.device) else _device_of(model)
+        if device is None:
+            return args
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):  # one batch tensor, the common call
+            return (args[0] if args[0].device == device else move_data_to_device(args[0], device),)
+        return tuple(move_data_to_device(arg, device) for arg in args)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's ``state_dict()``.
