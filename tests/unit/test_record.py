@@ -36,6 +36,13 @@ def test_the_ctypes_record_equals_the_plain_torch_one_and_reads_back(
         assert record.host_bytes(fast[view.payload_offset : view.payload_offset + len(payload)]) == payload
 
 
+def test_copies_of_a_record_for_an_all_to_all_are_the_record_again_and_again() -> None:
+    head = encode_header({"dtype": "float32", "shape": [2, 3]})
+    payload = torch.arange(6.0).reshape(2, 3)
+    once = record.write_plain(head, payload, 24, 128)
+    assert torch.equal(record.write(head, payload, 24, 128, copies=3), once.repeat(3))
+
+
 def test_several_ranks_records_read_in_place_and_a_foreign_one_is_named() -> None:
     capacity = 128
     records = torch.cat(

@@ -80,7 +80,7 @@ def _flags(head: bytes, nbytes: int, capacity: int) -> int:
     return (HEAD_INLINE if header_inline else 0) | (BODY_INLINE if payload_inline else 0)
 
 
-def write(head: bytes, payload: torch.Tensor | None, nbytes: int, capacity: int) -> torch.Tensor:
+def write(head: bytes, payload: torch.Tensor | None, nbytes: int, capacity: int, copies: int = 1) -> torch.Tensor:
     """This rank's record (a CPU ``uint8`` tensor of ``capacity`` bytes), written straight into its memory.
 
     Args:
@@ -88,9 +88,11 @@ def write(head: bytes, payload: torch.Tensor | None, nbytes: int, capacity: int)
         payload: the payload (its first ``nbytes`` raw bytes are sent), or ``None``.
         nbytes: the payload's length in bytes.
         capacity: the record's size.
+        copies: the record this many times in a row (``copies * capacity`` bytes): what an ``all_to_all``
+            sends, one copy to each rank.
     """
     flags = _flags(head, nbytes, capacity)
-    record = torch.empty(capacity, dtype=torch.uint8)  # the torch call the gather's output makes too
+    record = torch.empty(capacity * copies, dtype=torch.uint8)  # the torch call the gather's output makes too
     address = record.data_ptr()
     ctypes.memset(address, 0, capacity)
     ctypes.memmove(address, pack_prefix(len(head), nbytes, flags), PREFIX.size)
@@ -100,6 +102,8 @@ def write(head: bytes, payload: torch.Tensor | None, nbytes: int, capacity: int)
         assert payload is not None
         host = payload if payload.is_cpu and payload.is_contiguous() else payload.contiguous().cpu()
         ctypes.memmove(address + body_offset(len(head)), host.data_ptr(), nbytes)
+    for copy in range(1, copies):
+        ctypes.memmove(address + copy * capacity, address, capacity)
     return record
 
 

@@ -21,7 +21,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit.hangs._stacks import dumped_frames, frame_text, is_ddpkits, is_users, marked, user_frame
+from ddpkit.hangs._stacks import (
+    ddpkit_collective,
+    dumped_frames,
+    frame_text,
+    is_ddpkits,
+    is_users,
+    marked,
+    user_frame,
+)
 from ddpkit.hangs._state import LastCollective, RankState
 
 __all__ = ["GroupVerdict", "HangAnalysis", "analyse", "full_report", "summary"]
@@ -251,10 +259,12 @@ def _in_collective(analysis: HangAnalysis, rank: int) -> bool:
 
 
 def _describe_call(last: LastCollective | None) -> str:
-    """``all_reduce #7 (float32 [7])``."""
+    """``all_reduce #7 (float32 [7])``; ``all_to_all #3 (uint8 [8192]) in gather_all_tensors`` when a ddpkit
+    collective the user called issued it."""
     if not last:
         return "no collective"
-    return f"{_name(last)} #{last.get('seq')}{_shapes(last)}"
+    api = ddpkit_collective(last.get("frames", []))
+    return f"{_name(last)} #{last.get('seq')}{_shapes(last)}{f' in {api}' if api else ''}"
 
 
 def _op(last: LastCollective | None) -> str:

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from ddpkit.hangs._state import ChildStack, ThreadStack
 __all__ = [
     "StackDumpOnSignal",
     "children_stacks",
+    "ddpkit_collective",
     "dump_stacks_in_forked_children",
     "dumped_frames",
     "frame_text",
@@ -190,6 +191,19 @@ def user_frame(frames: Iterable[list[Any]]) -> list[Any] | None:
     return found
 
 
+def ddpkit_collective(frames: Sequence[list[Any]]) -> str | None:
+    """The name of ddpkit's collective function that the user's code called to get to these frames
+    (``"gather_all_tensors"``), when the frame right inside the innermost user frame is one; else ``None``.
+    A ddpkit collective moves its bytes with torch's own collectives (a gather's records with an
+    ``all_to_all`` on gloo), so the report names the function the user called beside them."""
+    users = [index for index, frame in enumerate(frames) if is_users(str(frame[0]))]
+    if not users or users[-1] + 1 >= len(frames):
+        return None
+    callee = frames[users[-1] + 1]
+    path, function = os.path.abspath(str(callee[0])), str(callee[2])
+    return function if path.startswith(_COLLECTIVES) and not function.startswith("_") else None
+
+
 def dumped_frames(dump: str) -> list[list[Any]]:
     """The frames of the current thread in a ``faulthandler`` dump, outermost first, with their source lines."""
     block = dump.split("Current thread", 1)[1] if "Current thread" in dump else dump
@@ -221,6 +235,7 @@ def marked(frame: list[Any]) -> str:
 #: modules are ddpkit's machinery, never the user's code (its bundled examples excepted).
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _EXAMPLES = os.path.join(_PACKAGE, "examples") + os.sep
+_COLLECTIVES = os.path.join(_PACKAGE, "collectives") + os.sep
 
 
 def _library_roots() -> tuple[str, ...]:
