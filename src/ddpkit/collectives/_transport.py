@@ -13,7 +13,7 @@ Every gather in ddpkit goes through :func:`exchange`:
 3. Only what did not fit moves next, with sizes known to all: one ``broadcast``
    per rank on gloo (2-3x faster than gloo's ``all_gather`` for large data, and
    only the real bytes move), or a padded ``all_gather`` on NCCL and for small
-   totals.
+   totals (on gloo, an ``all_to_all`` of a padded copy per rank).
 
 A rank whose own input is bad sends an error header instead of data, so every
 rank raises together instead of leaving the others waiting.

@@ -36,7 +36,8 @@ def gather_all_tensors(result: torch.Tensor, group: dist.ProcessGroup | None = N
 
     Any dimension may differ between ranks; the number of dimensions and the
     dtype may not. Empty and 0-d tensors work. Only each rank's real elements
-    travel (no padding on gloo): small tensors cost one ``all_gather``, larger
+    travel (no padding on gloo): small tensors cost one collective (an
+    ``all_gather``; on gloo an ``all_to_all``, which is faster there), larger
     ones one more step.
 
     Args:
