@@ -181,3 +181,19 @@ def _cuda_round_trip() -> tuple[str, ...]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tensors must come back on it)")
 def test_cuda_tensors_come_back_on_their_device() -> None:
     assert run_parallel(_cuda_round_trip) == [("cuda:0", "cuda:0")] * 2
+
+
+def _subgroup_gathers() -> list[Any]:
+    group = dist.new_group([1, 2])
+    rank = dist.get_rank()
+    if rank == 0:
+        return []
+    mine = torch.full((rank, 2), float(rank))
+    small = [t.tolist() for t in gather_all_tensors(mine, group=group)]
+    large = [t.shape[0] for t in gather_all_tensors(torch.zeros(3000 * rank, 8), group=group)]  # not inline
+    return [small, large, all_gather_ddp_if_available(torch.tensor([rank]), group=group).tolist()]
+
+
+def test_a_subgroup_gathers_over_its_own_ranks_in_their_order() -> None:
+    expected = [[[[1.0, 1.0]], [[2.0, 2.0], [2.0, 2.0]]], [3000, 6000], [[1], [2]]]
+    assert run_parallel(_subgroup_gathers, world_size=3) == [[], expected, expected]
