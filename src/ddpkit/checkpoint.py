@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,12 @@ SHARDED_SUFFIX = ".dcp"
 STALE_AFTER_S = 600.0
 
 
-def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write ``state`` to ``path`` atomically (temporary file, flush, fsync, rename, fsync of the directory).
+def save_checkpoint(
+    state: dict[str, Any], path: str | os.PathLike[str], keep_existing: Callable[[], bool] | None = None
+) -> bool:
+    """Write ``state`` to ``path`` atomically (temporary file, flush, fsync, rename, fsync of the directory);
+    whether it was written: not when ``keep_existing()`` (asked once the file is written, just before the rename)
+    says that the checkpoint already at ``path`` must stay (e.g. a newer one, written while this one was).
 
     Call it from one process per ``path`` (:class:`~ddpkit.TrainLoop` writes on
     rank 0 only); two that write at once each leave a whole file, the last one's.
@@ -76,6 +80,9 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> None
             torch.save(state, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if keep_existing is not None and keep_existing():
+            os.unlink(temporary)
+            return False
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -87,6 +94,7 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> None
         with contextlib.suppress(OSError):
             if stale.stat().st_mtime < old:
                 stale.unlink()
+    return True
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: str | torch.device = "cpu") -> dict[str, Any]:

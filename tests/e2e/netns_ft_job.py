@@ -12,7 +12,7 @@ processes listen on, then, one after another (each time waiting until both group
    :data:`STRANGER_S` seconds, asking for the run's state and all-reducing 1e6 gradients;
 2. ``claim``: another says it is at step 10**6 and serves a state with a pickled command;
 3. ``secret``: a replica group of the same script (``group-x``), started by hand with another secret. The
-   job's groups wait after step :data:`WAIT_AT` until group-x has joined (tests/e2e/ft_trainloop.py's
+   job's groups wait after step :data:`WAIT_AT` until group-x has joined or been refused (tests/e2e/ft_trainloop.py's
    ``FT_WAIT_FOR``), so that a slow start of it, or of the phases before, never finds the job finished.
 
 It then waits for the job to end and writes ``result.json`` in OUTDIR.
@@ -42,8 +42,9 @@ DELAY_S = "1.5"
 WAIT_AT = 64
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1"}
 _ENV.pop("DDPKIT_JOB_SECRET", None)
-#: What a group with another secret says of the quorum's store (its owner's record is signed with the job's).
-_OTHER_SECRET = "is not signed with this group's secret for this address: this group runs with another secret"
+#: What a group with another secret says of the job's record beside the lighthouse (its answers are signed with the
+#: job's secret): it never joins a quorum.
+_OTHER_SECRET = "(beside the lighthouse): its answer is not signed with this process's job secret: the lighthouse runs"
 
 
 def _committed_since(out: Path, since: float, groups: tuple[str, ...] = ("group-0", "group-1")) -> bool:
@@ -79,6 +80,7 @@ def _other_secret(lighthouse: str, out: Path) -> dict[str, Any]:
     group = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     started = time.time()
     refused = holds_within(lambda: _OTHER_SECRET in log.read_text(), 60)
+    Path(out / "group-x-joined").touch()  # it never joins: the job's groups need not wait for it
     time.sleep(2.0)
     os.killpg(group.pid, signal.SIGKILL)
     group.wait()

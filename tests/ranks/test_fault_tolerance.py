@@ -65,13 +65,17 @@ def test_a_fault_tolerant_trainloop_loads_ahead_with_the_training_loaders_worker
     assert all(torch.equal(weights[0][name], value) for name, value in weights[2].items())
 
 
+#: The job secret of the group of two ranks (and of its lighthouse, which signs the job's record with it).
+_PAIR_SECRET = "a secret of this test, the same on both ranks"
+
+
 def _one_group_of_two_ranks(lighthouse: str, checkpoint_dir: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     import os
 
     from ddpkit._secret import SECRET_VARIABLE
     from tests.builders import digits_loop
 
-    os.environ[SECRET_VARIABLE] = "a secret of this test, the same on both ranks"
+    os.environ[SECRET_VARIABLE] = _PAIR_SECRET
     try:
         loop = digits_loop(16, samples=512, global_batch_size=64, checkpoint_dir=checkpoint_dir,
                            fault_tolerance=TorchFT(lighthouse, "pair", timeout=10))  # fmt: skip
@@ -89,7 +93,7 @@ def test_a_replica_group_of_two_ranks_trains_as_one_process_and_writes_its_check
     from ddpkit.training import TrainState
     from tests.builders import digits_loop
 
-    with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:
+    with serve_lighthouse("127.0.0.1", min_replicas=1, secret=_PAIR_SECRET.encode()) as lighthouse:
         (weights, losses), (weights_1, losses_1) = run_parallel(
             _one_group_of_two_ranks, lighthouse.address, str(tmp_path), timeout=60
         )

@@ -7,7 +7,6 @@ tests/e2e/test_fault_tolerance.py.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -108,8 +107,9 @@ def test_a_fault_tolerant_trainloop_calls_the_callbacks_when_the_ddp_loop_does(
     monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
     plain = _callback_events(None, tmp_path / "plain")
     plain_stop = _stopped_mid_epoch(None)
-    with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:
+    with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:  # one job; its fit resumed is the same job
         tolerant = _callback_events(TorchFT(lighthouse.address, "r0", timeout=10), tmp_path / "ft")
+    with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:  # a new job: a lighthouse of its own
         tolerant_stop = _stopped_mid_epoch(TorchFT(lighthouse.address, "r0", timeout=10))
     assert plain == [("train_begin", 0), ("epoch_begin", 0), ("epoch_end", 0), ("train_end", 1),
                      ("train_begin", 1), ("epoch_begin", 1), ("epoch_end", 1), ("train_end", 2)]  # fmt: skip
@@ -185,7 +185,8 @@ def test_the_jobs_first_step_waits_for_all_its_replica_groups_then_starts_withou
 
     def first_step(group: ReplicaGroup, name: str) -> None:
         group.start_step()
-        seen[name] = (time.monotonic(), group.members, group.step)
+        members = group.members  # waits for the step's quorum
+        seen[name] = (time.monotonic(), members, group.step)
         group.commit()
 
     with serve_lighthouse("127.0.0.1") as lighthouse:
@@ -211,38 +212,6 @@ def test_the_jobs_first_step_waits_for_all_its_replica_groups_then_starts_withou
     assert seen["alone"][1] == ("alone",)
     assert seen["alone"][0] - started >= 1.0, "it did not wait for the second group"
     assert "the job starts with 1 of its 2 replica groups (alone): the others did not join within 1 s" in caplog.text
-
-
-def test_a_group_started_again_that_finds_no_other_group_trains_nothing_and_ends_with_status_0(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A restart (its agent's TORCHELASTIC_RESTART_COUNT above 0) of one of a job's 2 groups, with no checkpoint,
-    whose first quorum has no other group within quorum_timeout (1 s): the others finished or are gone, and no
-    peer holds the run's state, so it trains nothing, writes no checkpoint and ends with status 0, saying why
-    (it once took itself for a new job and trained the whole run alone). A first start trains alone, as ever."""
-    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
-
-    monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
-    monkeypatch.setenv("DDPKIT_REPLICA_GROUPS", "2")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    with serve_lighthouse("127.0.0.1") as lighthouse:
-        loop = _digits_loop(fault_tolerance=TorchFT(lighthouse.address, "g1", timeout=10, quorum_timeout=1.0),
-                            global_batch_size=64, checkpoint_dir=tmp_path)  # fmt: skip
-        started = time.monotonic()
-        with pytest.raises(SystemExit) as ended:
-            loop.fit(1)
-        took = time.monotonic() - started
-    assert ended.value.code == 0
-    assert 1.0 <= took < 15.0, f"{took:.1f} s: it waits quorum_timeout for another group, then ends"
-    assert (loop.global_step, list(tmp_path.iterdir())) == (0, [])
-    assert re.search(r"ddpkit: replica group g1: started again, it found no other replica group of the job within "
-                     r"1 s \(quorum_timeout\): .* it trains nothing and ends", capsys.readouterr().err)  # fmt: skip
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    with serve_lighthouse("127.0.0.1") as lighthouse:
-        loop = _digits_loop(fault_tolerance=TorchFT(lighthouse.address, "g0", timeout=10, quorum_timeout=1.0),
-                            global_batch_size=64)  # fmt: skip
-        loop.fit(1)
-    assert loop.global_step > 0
 
 
 def test_a_trainloop_with_fault_tolerance_needs_a_global_batch_and_its_own_process_per_group() -> None:
@@ -497,7 +466,7 @@ def test_a_lighthouse_port_taken_by_something_else_is_named_and_one_that_a_light
     assert said in capsys.readouterr().err
     with serve_lighthouse("127.0.0.1") as served:  # a second "node" of this machine: the first one serves it
         port = int(served.address.rpartition(":")[2])
-        assert _lighthouse_here("127.0.0.1", port, min_replicas=1) is None
+        assert _lighthouse_here("127.0.0.1", port, min_replicas=1, secret=JOB_SECRET.encode()) is None
 
 
 def test_a_quorum_that_does_not_form_in_time_is_asked_for_again_before_the_group_gives_up(
@@ -508,6 +477,7 @@ def test_a_quorum_that_does_not_form_in_time_is_asked_for_again_before_the_group
     from types import SimpleNamespace
 
     from ddpkit.fault_tolerance._manager import QUORUM_ATTEMPTS, _RecordingClient
+    from ddpkit.fault_tolerance._quorums import ACCEPT
 
     class Slow:
         def __init__(self, timeouts: int) -> None:
@@ -522,13 +492,16 @@ def test_a_quorum_that_does_not_form_in_time_is_asked_for_again_before_the_group
     ids: list[str] = []
     slow = Slow(QUORUM_ATTEMPTS - 1)
     with caplog.at_level("WARNING", "ddpkit.fault_tolerance"):
-        assert _RecordingClient(slow, ids, "g0")._quorum(timeout=1).replica_ids == ["g0:a", "g1:b"]
+        assert _RecordingClient(slow, ids, "g0", lambda quorum: ACCEPT)._quorum(timeout=1).replica_ids == [
+            "g0:a",
+            "g1:b",
+        ]
     assert (slow.asked, ids) == (QUORUM_ATTEMPTS, ["g0:a", "g1:b"])
     assert f"replica group g0: no quorum formed within quorum_timeout (status: Cancelled, message: \"Timeout " \
            f"expired\"); asking again (2 of {QUORUM_ATTEMPTS})" in caplog.text  # fmt: skip
     never = Slow(QUORUM_ATTEMPTS)
     with pytest.raises(TimeoutError, match="Timeout expired"):
-        _RecordingClient(never, [], "g0")._quorum(timeout=1)
+        _RecordingClient(never, [], "g0", lambda quorum: ACCEPT)._quorum(timeout=1)
     assert never.asked == QUORUM_ATTEMPTS
 
 

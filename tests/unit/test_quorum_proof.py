@@ -251,7 +251,7 @@ def test_groups_that_bind_their_address_at_once_each_get_their_own_and_neither_w
     ended: dict[str, float] = {}
 
     def make(address: str) -> None:  # rank 0 of 2: gloo writes its address, then waits 1 s for rank 1
-        with _gloo_on(module, address):
+        with _gloo_on(module, address, 1.0):
             if address == "127.0.0.1":
                 inside.set()
             with pytest.raises(RuntimeError, match=r"[Tt]imeout"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ddpkit.cli._common import fail
+from ddpkit.cli._common import fail, use_secret_file
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 
 __all__ = ["add_parser", "handle"]
@@ -18,7 +18,8 @@ def add_parser(commands: Any) -> None:
         help="serve torchft's lighthouse for fault-tolerant jobs on several nodes",
         description=(
             "Serve torchft's lighthouse (the quorum server of `ddpkit run --fault-tolerance --nnodes N`) on one "
-            "address of this machine until Ctrl-C; the nodes' --rdzv-endpoint is HOST:PORT"
+            "address of this machine until Ctrl-C, and the job's record (how far it got, whether it finished) on "
+            "PORT + 1; the nodes' --rdzv-endpoint is HOST:PORT"
         ),
     )
     lighthouse.add_argument("--host", required=True, help="this machine's address that the nodes reach")
@@ -26,12 +27,22 @@ def add_parser(commands: Any) -> None:
     lighthouse.add_argument(
         "--min-replicas", type=int, default=1, help="the fewest replica groups a step may commit with (default 1)"
     )
+    lighthouse.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="a file holding the job secret, the nodes' own (instead of DDPKIT_JOB_SECRET): the job's record is "
+        "signed with it",
+    )
     lighthouse.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
     from ddpkit.fault_tolerance._job import serve_until_interrupted
 
+    failed = use_secret_file("lighthouse", args.secret_file)
+    if failed is not None:
+        return failed
     try:
         return serve_until_interrupted(args.host, args.port, args.min_replicas)
     except ValueError as error:

@@ -30,7 +30,6 @@ from ddpkit.environments import CLUSTER_ENV_VARIABLE
 from ddpkit.environments.replica_group import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
-from ddpkit.fault_tolerance._record import RECORD_VARIABLE, job_record
 from ddpkit.fault_tolerance._replica import local_address
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
 
@@ -117,11 +116,12 @@ def run_replica_groups(
     """
     if groups < 1 or group_size < 1:
         raise ValueError(f"{groups} replica groups of {group_size} ranks: start at least one group of one rank")
+    secret = job_secret() or new_job_secret()  # one for the whole job
     if lighthouse is not None:
-        return _run_groups(start, groups, group_size, lighthouse)
-    with serve_lighthouse("127.0.0.1", min_replicas=min_replicas) as served:
+        return _run_groups(start, groups, group_size, lighthouse, secret)
+    with serve_lighthouse("127.0.0.1", min_replicas=min_replicas, secret=secret) as served:
         print(f"ddpkit: torchft's lighthouse at {served.address}", file=sys.stderr, flush=True)
-        return _run_groups(start, groups, group_size, served.address)
+        return _run_groups(start, groups, group_size, served.address, secret)
 
 
 def run_node_group(
@@ -157,7 +157,7 @@ def run_node_group(
         raise ValueError(f"--rdzv-endpoint {endpoint!r} with --nnodes {nnodes}: give HOST:PORT and nnodes >= 1")
     host = url_host(f"{host}:{port}")
     name = replica_id or socket.gethostname()
-    served = _lighthouse_here(host, int(port), min_replicas)
+    served = _lighthouse_here(host, int(port), min_replicas, secret)
     lighthouse = served.address if served is not None else f"http://{bracketed(host)}:{port}"
     where = "served by this command" if served is not None else "served by another process"
     try:
@@ -204,11 +204,12 @@ def _crowded(nprocs: int | None) -> str:
     )
 
 
-def _lighthouse_here(host: str, port: int, min_replicas: int) -> Lighthouse | None:
-    """The lighthouse served on ``host:port`` by this process, or ``None`` when ``host`` is not this machine's
-    address or another process of this machine serves that port already (a second "node" of one machine)."""
+def _lighthouse_here(host: str, port: int, min_replicas: int, secret: bytes) -> Lighthouse | None:
+    """The lighthouse (and the job's record) served on ``host:port`` by this process, or ``None`` when ``host`` is
+    not this machine's address or another process of this machine serves that port already (a second "node" of
+    one machine)."""
     try:
-        return serve_lighthouse(host, port, min_replicas=min_replicas)
+        return serve_lighthouse(host, port, min_replicas=min_replicas, secret=secret)
     except LoopbackHostError as error:  # this machine's, through loopback only: the other nodes cannot reach it
         raise ValueError(
             f"--rdzv-endpoint {host}:{port}: {host} resolves to {', '.join(error.addresses)} here, a loopback "
@@ -258,7 +259,8 @@ def _serve_while_others_heartbeat(served: Lighthouse) -> None:
 
 
 def serve_until_interrupted(host: str, port: int, min_replicas: int = 1) -> int:
-    """``ddpkit lighthouse``: serve torchft's lighthouse on ``host:port`` until Ctrl-C or SIGTERM (status 0).
+    """``ddpkit lighthouse``: serve torchft's lighthouse on ``host:port`` and the job's record on ``port + 1`` (signed
+    with this process's job secret) until Ctrl-C or SIGTERM (status 0).
 
     Raises:
         PortTakenError: something listens on ``host:port`` already (a lighthouse a node's command serves, say).
@@ -273,7 +275,9 @@ def serve_until_interrupted(host: str, port: int, min_replicas: int = 1) -> int:
             "--fault-tolerance`, when it started first?). Pick another --port, or stop that process"
         ) from None
     with served:
-        print(f"ddpkit: torchft's lighthouse at {served.address} (Ctrl-C stops it)", file=sys.stderr, flush=True)
+        signed = "signed with the job secret" if job_secret() is not None else "without a job secret"
+        print(f"ddpkit: torchft's lighthouse at {served.address}, the job's record at {served.record} ({signed}; "
+              "Ctrl-C stops them)", file=sys.stderr, flush=True)  # fmt: skip
         previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             while True:
@@ -284,12 +288,9 @@ def serve_until_interrupted(host: str, port: int, min_replicas: int = 1) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run_groups(start: StartGroup, groups: int, size: int, lighthouse: str) -> list[int]:
-    secret = (job_secret() or new_job_secret()).decode()  # one for the whole job
-    with job_record() as record:  # a group started again once another finished the job trains nothing
-        more = {RECORD_VARIABLE: record}
-        children = [_start_group(start, f"group-{i}", size, lighthouse, secret, groups, more) for i in range(groups)]
-        return _wait(children)
+def _run_groups(start: StartGroup, groups: int, size: int, lighthouse: str, secret: bytes) -> list[int]:
+    children = [_start_group(start, f"group-{i}", size, lighthouse, secret.decode(), groups, {}) for i in range(groups)]
+    return _wait(children)
 
 
 def _start_group(

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from ddpkit._group_store import SignedStore
+from ddpkit.fault_tolerance._quorums import JobEnded, Verdict
 from ddpkit.fault_tolerance._torchft import bracketed
 
 __all__ = ["QUORUM_ATTEMPTS", "client_recording", "manager_server_on", "signed_group_store"]
@@ -66,18 +68,38 @@ def signed_group_store(managers: Any, secret: bytes | None, context: str, made: 
 
 #: How many times a group asks for one step's quorum when none forms within ``quorum_timeout``.
 QUORUM_ATTEMPTS = 3
+#: Seconds between a quorum that must not train and the group's next request.
+AGAIN_S = 0.1
+
+#: A group's verdict on each quorum it receives (:class:`~ddpkit.fault_tolerance._quorums.QuorumVerdicts`).
+Verdicts = Callable[[Any], Verdict]
 
 
 class _RecordingClient:
     """torchft's ``ManagerClient``, keeping the replica ids of each quorum it receives (torchft's manager keeps
-    them to itself) in ``ids``, and asking again (up to :data:`QUORUM_ATTEMPTS` times) when no quorum formed
-    within its timeout: torchft's manager would raise that from the next step's ``start_quorum`` and the group's
-    process would end (seen while a stranger spoke in a group's name and the quorums were slow to form)."""
+    them to itself) in ``ids``; judging each quorum (``verdicts``) before torchft sets it up: one that must not
+    train is asked again (after :data:`AGAIN_S`), and one that ends the group raises
+    :class:`~ddpkit.fault_tolerance._quorums.JobEnded` (from torchft's quorum future: where the group waits for
+    the quorum); and asking again (up to :data:`QUORUM_ATTEMPTS` times) when no quorum formed within its
+    timeout: torchft's manager would raise that from the next step's ``start_quorum`` and the group's process
+    would end (seen while a stranger spoke in a group's name and the quorums were slow to form)."""
 
-    def __init__(self, client: Any, ids: list[str], replica_id: str) -> None:
-        self._client, self._ids, self._replica_id = client, ids, replica_id
+    def __init__(self, client: Any, ids: list[str], replica_id: str, verdicts: Verdicts) -> None:
+        self._client, self._ids, self._replica_id, self._verdicts = client, ids, replica_id, verdicts
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        while True:
+            quorum = self._ask(*args, **kwargs)
+            verdict = self._verdicts(quorum)
+            if verdict.kind == "accept":
+                break
+            if verdict.kind == "end":
+                raise JobEnded(verdict.status, verdict.why)
+            time.sleep(AGAIN_S)
+        self._ids[:] = list(quorum.replica_ids)
+        return quorum
+
+    def _ask(self, *args: Any, **kwargs: Any) -> Any:
         for attempt in range(1, QUORUM_ATTEMPTS + 1):
             try:
                 quorum = self._client._quorum(*args, **kwargs)
@@ -90,7 +112,6 @@ class _RecordingClient:
                     self._replica_id, str(error).splitlines()[0] if str(error) else "TimeoutError", attempt + 1,
                     QUORUM_ATTEMPTS,
                 )  # fmt: skip
-        self._ids[:] = list(quorum.replica_ids)
         return quorum
 
     def _checkpoint_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -101,13 +122,14 @@ class _RecordingClient:
 
 
 @contextmanager
-def client_recording(managers: Any, ids: list[str], replica_id: str) -> Iterator[None]:
+def client_recording(managers: Any, ids: list[str], replica_id: str, verdicts: Verdicts) -> Iterator[None]:
     """Within the block (under :data:`_CONSTRUCTION`), torchft's ``Manager`` gets a client that records the
-    quorums' replica ids into ``ids`` (and asks again for a quorum that did not form in time)."""
+    quorums' replica ids into ``ids``, judges each quorum with ``verdicts`` (asking again for one that must not
+    train), and asks again for a quorum that did not form in time."""
     original = managers.ManagerClient
 
     def recording(*args: Any, **kwargs: Any) -> _RecordingClient:
-        return _RecordingClient(original(*args, **kwargs), ids, replica_id)
+        return _RecordingClient(original(*args, **kwargs), ids, replica_id, verdicts)
 
     managers.ManagerClient = recording
     try:

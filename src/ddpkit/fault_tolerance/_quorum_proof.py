@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import hmac
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -40,14 +42,21 @@ _BINDING = threading.local()
 
 
 def proven_gloo(
-    secret: bytes | None, timeout: float, replica_ids: Callable[[], Sequence[str]], address: str | None = None
+    secret: bytes | None,
+    timeout: float,
+    replica_ids: Callable[[], Sequence[str]],
+    address: str | None = None,
+    member_timeout: float = 3.0,
 ) -> Any:
     """torchft's ``ProcessGroupGloo`` whose members prove ``secret`` at every configuration (none without one),
-    its gloo device on ``address``.
+    its gloo device on ``address``, whose set-up waits at most ``member_timeout`` for a member.
 
     Args:
         secret: the job secret; ``None``: torchft's group as it is.
         timeout: seconds each collective (the proof's two all-gathers included) may take.
+        member_timeout: seconds the configuration waits for the quorum's store and for each member's address in
+            it (a member that died after it asked for the quorum never writes one): then it fails, and torchft
+            fails the step, instead of waiting ``timeout``.
         replica_ids: the replica ids of the quorum being configured (torchft's ``NAME:uuid``), in rank order: every
             signature binds them, and the quorum's store must be one of theirs (:func:`check_store_owner`).
         address: this machine's address that the other groups reach (gloo listens and advertises there, whatever
@@ -55,7 +64,8 @@ def proven_gloo(
             ``None``: gloo's own choice.
     """
     group_class = _proven_class()
-    return group_class(timeout=timedelta(seconds=timeout), secret=secret, replica_ids=replica_ids, address=address)
+    return group_class(timeout=timedelta(seconds=timeout), secret=secret, replica_ids=replica_ids, address=address,
+                       member_timeout=min(member_timeout, timeout))  # fmt: skip
 
 
 @functools.cache
@@ -67,18 +77,25 @@ def _proven_class() -> type[Any]:
         """torchft's gloo group, proving its members at every configuration."""
 
         def __init__(self, *, timeout: timedelta, secret: bytes | None, replica_ids: Callable[[], Sequence[str]],
-                     address: str | None) -> None:  # fmt: skip
+                     address: str | None, member_timeout: float) -> None:  # fmt: skip
             super().__init__(timeout=timeout)
             self._secret, self._ids, self._seconds = secret, replica_ids, timeout.total_seconds()
-            self._address = address
+            self._address, self._member_seconds = address, member_timeout
             self._forming: tuple[str, Callable[[], dict[int, str]]] = ("", dict)
             self._signed: SignedStore | None = None
+            self._within: _Within | None = None  # kept: torch holds only its C++ part
 
         def configure(
             self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
             group_rank: int | None = None, group_world_size: int | None = None, global_ranks: list[int] | None = None,
         ) -> None:  # fmt: skip
             secret = self._secret
+            if world_size > 1:
+                try:  # a store that is gone (its group died) fails at once, not after torch's connect retries
+                    _store_answers(store_addr, self._member_seconds)
+                except Exception:
+                    self.abort(errored=False)
+                    raise
             if secret is None or world_size == 1:
                 super().configure(
                     store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
@@ -90,7 +107,7 @@ def _proven_class() -> type[Any]:
                 return _names(store_addr, world_size, ids, self._seconds)
 
             try:  # before anything of this group goes there: the store must be a member's
-                check_store_owner(store_addr, ids, secret, self._seconds)
+                check_store_owner(store_addr, ids, secret, self._member_seconds)
             except Exception:
                 self.abort(errored=False)
                 raise
@@ -127,17 +144,19 @@ def _proven_class() -> type[Any]:
 
                 store = SignedStore(store, self._secret, context, name_key)
                 self._signed = store  # torch holds only its C++ part, which cannot call its methods alone
-            if self._address is None:
-                return super()._create_pg(store, rank, world_size)
-            with _gloo_on(torchft, self._address):
+            if world_size > 1:  # however many members never write their address, the set-up ends in time
+                store = self._within = _Within(store, self._member_seconds)
+            with _gloo_on(torchft, self._address, self._member_seconds):
                 return super()._create_pg(store, rank, world_size)
 
     return ProvenGloo
 
 
 @contextmanager
-def _gloo_on(torchft: Any, address: str) -> Iterator[None]:
-    """Within the block, the gloo groups torchft makes in this thread get one device, on ``address``.
+def _gloo_on(torchft: Any, address: str | None, setup: float) -> Iterator[None]:
+    """Within the block, the gloo groups torchft makes in this thread get one device, on ``address`` (``None``:
+    gloo's own choice), and wait at most ``setup`` seconds for their members while they are made (their
+    collectives then wait as long as torchft asked).
 
     torchft's module names torch's gloo class once, for good, with :func:`_bound_gloo`, which is torch's class
     where no block of its thread is open. (Swapping the class for the block instead cannot serve two groups of one
@@ -145,25 +164,87 @@ def _gloo_on(torchft: Any, address: str) -> Iterator[None]:
     the first's swapped class would put it back for good.)"""
     if torchft.BaseProcessGroupGloo is not _bound_gloo:
         torchft.BaseProcessGroupGloo = _bound_gloo
-    _BINDING.address = address
+    _BINDING.address, _BINDING.setup = address, setup
     try:
         yield
     finally:
-        _BINDING.address = None
+        _BINDING.address = _BINDING.setup = None
 
 
 def _bound_gloo(*args: Any, **kwargs: Any) -> Any:
     """torch's ``ProcessGroupGloo(store, rank, size, timeout)``, its one device on the address of this thread's
-    :func:`_gloo_on` block if one is open."""
+    :func:`_gloo_on` block if one is open, made within that block's set-up time, then given ``timeout``."""
     gloo = torch.distributed.ProcessGroupGloo
-    address = getattr(_BINDING, "address", None)
-    if address is None or kwargs or len(args) != 4 or not isinstance(args[3], timedelta):
+    setup = getattr(_BINDING, "setup", None)
+    if setup is None or kwargs or len(args) != 4 or not isinstance(args[3], timedelta):
         return gloo(*args, **kwargs)
     store, rank, size, timeout = args
+    address = getattr(_BINDING, "address", None)
     options = gloo._Options()  # type: ignore[attr-defined]
-    options._timeout = timeout
-    options._devices = [gloo.create_device(hostname=address)]
-    return gloo(store, rank, size, options)
+    options._timeout = min(timeout, timedelta(seconds=setup))
+    options._devices = [gloo.create_device(hostname=address) if address else gloo.create_default_device()]
+    made = gloo(store, rank, size, options)
+    made.set_timeout(timeout)
+    return made
+
+
+class _Within(torch.distributed.Store):  # type: ignore[misc, name-defined]  # torch does not type it
+    """A quorum's store as gloo sees it while the group is made: every wait ends by one deadline, ``seconds`` from
+    now, so that the set-up costs at most that however many members never write their address (gloo waits for
+    each in turn, with the store's own timeout); everything else as ``inner`` does it."""
+
+    def __init__(self, inner: Any, seconds: float) -> None:
+        super().__init__()
+        self._inner, self._deadline = inner, time.monotonic() + seconds
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        left = max(0.001, self._deadline - time.monotonic())
+        self._inner.wait(keys, timedelta(seconds=left if timeout is None else min(left, timeout.total_seconds())))
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._inner.get(key))
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return bytes(self._inner.compare_set(key, expected, desired))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._inner.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._inner.add(key, amount))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self._inner.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout  # type: ignore[no-any-return]
+
+
+def _store_answers(store_addr: str, seconds: float) -> None:
+    """Connect to the quorum's store (torchft's ``HOST:PORT/prefix``) with a plain socket, within ``seconds``.
+
+    Raises:
+        ConnectionError: nothing listens there any more (the group that hosted it died), or it did not answer.
+    """
+    host, port = _host_and_port(store_addr.partition("/")[0])
+    try:
+        with socket.create_connection((host, port), timeout=seconds):
+            pass
+    except OSError as error:
+        raise ConnectionError(
+            f"the quorum's store at {store_addr.partition('/')[0]} does not answer ({error}): the replica group that "
+            "hosted it is gone; this step fails and the next quorum goes on without it"
+        ) from None
 
 
 def _names(store_addr: str, size: int, ids: list[str], timeout: float) -> dict[int, str]:
@@ -175,8 +256,9 @@ def _names(store_addr: str, size: int, ids: list[str], timeout: float) -> dict[i
             store_addr, timeout=timedelta(seconds=min(timeout, 5.0))
         )
         for rank in range(size):
-            raw = bytes(store.get(f"0/{rank}"))  # signed (32 bytes first) by a member; a stranger's may not be
-            addresses[rank] = member_address(raw)
+            if store.check([f"0/{rank}"]):  # a member that never wrote one is named without (and not waited for)
+                raw = bytes(store.get(f"0/{rank}"))  # signed (32 bytes first) by a member; a stranger's may not be
+                addresses[rank] = member_address(raw)
     except Exception:  # the message goes without addresses
         pass
     names = {}

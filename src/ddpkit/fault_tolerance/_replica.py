@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +24,8 @@ from ddpkit.errors import DDPKitError, RendezvousFailedError
 from ddpkit.fault_tolerance._healing import TensorTransport
 from ddpkit.fault_tolerance._manager import client_recording, manager_server_on, signed_group_store
 from ddpkit.fault_tolerance._quorum_proof import claim_store, proven_gloo
+from ddpkit.fault_tolerance._quorums import JobEnded, QuorumJudge, QuorumVerdicts, VerdictRelay, group_name
+from ddpkit.fault_tolerance._record import JobRecord, RecordUnreachableError, record_address
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
 from ddpkit.process_group import get_rank, get_world_size
 
@@ -43,6 +45,16 @@ class ReplicaGroup:
     timeout) is committed in none; the groups that are left go on with the next quorum in the same
     processes. A group that joins late or comes back takes ``state_dict()`` from a healthy peer through
     ``load_state_dict`` before its first step counts.
+
+    The job's progress outlives its groups: the lighthouse (:func:`serve_lighthouse`) keeps the job's record
+    beside it (the highest step a quorum committed, the processes that hold that state, whether the job
+    finished), which the first participant of each quorum updates after its commit. Each new quorum is judged
+    against it before it trains: one whose groups are all behind the job (started again, or stalled while the
+    others went on) asks again until a group that holds the job's state joins it, and takes the state from that
+    group; only when every holder is gone (each back as a new process, or none within ``quorum_timeout``) does
+    it go on from the newest state it has (a checkpoint's), and with none at all the job ends with the reason
+    (:class:`JobEnded`, status 1), never silently from step 0. A group that starts or comes back after the job
+    finished ends at once (status 0).
 
     Its servers listen on one address: its store and torchft's manager server on 127.0.0.1 when the
     lighthouse is on loopback, else on this machine's address on its route to the lighthouse (rank 0's,
@@ -72,12 +84,17 @@ class ReplicaGroup:
         load_state_dict: puts a healthy peer's ``state_dict()`` into this group.
         min_replicas: the fewest groups a step may commit with (default 1).
         timeout: seconds a collective or a recovery may take before the step fails (default 30).
-        quorum_timeout: seconds to wait for a quorum (default 60).
-        replica_groups: how many groups the job starts; its first step (every group of the quorum at step 0)
-            waits, up to ``quorum_timeout``, until that many are in the quorum (default ``None``: no wait).
-        restarted: whether this process starts the group again (its launcher's restart, default ``False``).
-            With ``replica_groups`` above 1 its first step does not wait for the job's groups but for one other
-            group to take the run's state from, up to ``quorum_timeout``; :attr:`alone` says when none came.
+        quorum_timeout: seconds to wait for a quorum (default 60), and for a group that holds the job's state
+            when the quorum is behind the job's record.
+        replica_groups: how many groups the job starts; its first quorum (before any step was committed) waits,
+            up to ``quorum_timeout``, until that many are in it (default ``None``: no wait).
+        restarted: whether this process starts the group again (its launcher's restart, default ``False``): when
+            no lighthouse answers it any more, the job is over (:class:`JobEnded`, status 0).
+        step: the step this group starts at, in torchft's count (default 0): for a checkpoint of ``N`` training
+            steps, ``N + 1`` (torchft counts the job's first quorum, which trains nothing).
+        member_timeout: seconds a quorum's set-up waits for each member to join its process group (default 3;
+            at least the lighthouse's heartbeat timeout): a member that died after it asked for the quorum costs
+            the others this, not ``timeout``, before they ask for a quorum without it.
 
     Warns:
         RuntimeWarning: no job secret (once per process): any process that reaches the lighthouse can join.
@@ -85,12 +102,15 @@ class ReplicaGroup:
     Raises:
         ImportError: torchft is not installed (the message says how to install it).
         RendezvousFailedError: no route from this machine to the lighthouse's host.
+        RecordUnreachableError: no job's record answers beside the lighthouse (a first start).
+        JobEnded: the job finished, or cannot go on, before this group joined it.
     """
 
     def __init__(
         self, lighthouse: str, replica_id: str, state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None], *, min_replicas: int = 1, timeout: float = 30.0,
-        quorum_timeout: float = 60.0, replica_groups: int | None = None, restarted: bool = False,
+        quorum_timeout: float = 60.0, replica_groups: int | None = None, restarted: bool = False, step: int = 0,
+        member_timeout: float = 3.0,
     ) -> None:  # fmt: skip
         torchft = torchft_module()
         managers = torchft_module("torchft.manager")
@@ -104,32 +124,34 @@ class ReplicaGroup:
         #: Why the last step was not committed, as far as this group saw (``Type: message``), else ``None``.
         self.failure: str | None = None
         self._replica_id, self._quorum_timeout = replica_id, quorum_timeout
-        #: The groups that its first step waits for (a restarted group: itself and one to take the state from);
-        #: ``None`` once it has started.
-        self._starting = (
-            (2 if restarted else replica_groups) if replica_groups is not None and replica_groups > 1 else None
-        )
-        self._restarted = restarted
-        #: Whether this group, started again, found no other group of the job within ``quorum_timeout`` at its
-        #: first step: the job finished, or its other groups are gone, and no peer holds the run's state.
-        self.alone = False
-        self._group = proven_gloo(secret, timeout, lambda: list(self._quorum_ids), local)
+        self._group = proven_gloo(secret, timeout, lambda: list(self._quorum_ids), local, member_timeout)
         transport = TensorTransport(
             self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
             timeout,
         )  # fmt: skip
         #: This process's rank in its replica group, and the group's ranks (the default process group's).
         self.rank, self.ranks = get_rank(), get_world_size()
+        self._record = _job_record(lighthouse, secret, timeout, restarted)
+        self._judge: QuorumJudge | None = None
         self._store_port = serve_store(local, 0) if self.rank == 0 else None
         assert self.rank != 0 or self._store_port is not None, f"{local} is this machine's own address"
-        store = (local, self._store_port)
-        if self.ranks > 1:  # the group's store is rank 0's
-            store = broadcast_object(store if self.rank == 0 else None, src=0)
+        store, ended = (local, self._store_port), None
+        if self.rank == 0:
+            ended = QuorumJudge.ended(self._record.read(), step)
+            self._judge = QuorumJudge(self._record, replica_id, start=step, replica_groups=replica_groups,
+                                      quorum_timeout=quorum_timeout)  # fmt: skip
+        if self.ranks > 1:  # the group's store is rank 0's; so is what the record said
+            store, ended = broadcast_object((store, ended) if self.rank == 0 else None, src=0)
+        if ended is not None:
+            release_store(self._store_port)
+            self._record.close()
+            raise JobEnded(*ended)
         signed: list[SignedStore] = []
         try:
+            verdicts = QuorumVerdicts(self._judge, self._relay(store, secret, quorum_timeout))
             with (
                 manager_server_on(managers, local),
-                client_recording(managers, self._quorum_ids, replica_id),
+                client_recording(managers, self._quorum_ids, replica_id, verdicts),
                 signed_group_store(managers, secret, f"torchft group store|{store[0]}:{store[1]}|{group_context()}",
                                     signed),
             ):  # fmt: skip
@@ -140,12 +162,25 @@ class ReplicaGroup:
                     timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
                     connect_timeout=timedelta(seconds=timeout), checkpoint_transport=transport,
                 )  # fmt: skip
+            if step > 0:  # a checkpoint's step: a quorum of groups that all started again goes on from the newest
+                self._manager.load_state_dict({"step": step, "batches_committed": 0})
             if secret is not None and self.rank == 0:  # the quorums' members check whose store it is
                 replica = signed[0].get(managers.REPLICA_ID_KEY).decode()
                 claim_store(f"{bracketed(local)}:{self._store_port}", replica, secret)
         except BaseException:
             release_store(self._store_port)
+            self._record.close()
             raise
+
+    def _relay(self, store: tuple[str, int | None], secret: bytes | None, quorum_timeout: float) -> VerdictRelay | None:
+        """How rank 0's verdicts on the quorums reach the group's other ranks (``None`` for a group of one)."""
+        if self.ranks == 1:
+            return None
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        assert store[1] is not None
+        client = TCPStore(store[0], store[1], is_master=False, timeout=timedelta(seconds=quorum_timeout + 30))
+        return VerdictRelay(client, secret, f"{store[0]}:{store[1]}|{group_context()}", quorum_timeout + 30)
 
     @property
     def step(self) -> int:
@@ -180,47 +215,14 @@ class ReplicaGroup:
         return tuple(sorted(self._quorum_ids))
 
     def start_step(self) -> None:
-        """Ask for this step's quorum (before the forward pass); every group calls it at each step. At the job's
-        first step with ``replica_groups``, ask again until that many groups are in the quorum."""
-        self._manager.start_quorum()
-        if self._starting is not None:
-            came = self._wait_for_the_job(self._starting)
-            self.alone = self._restarted and not came
-            self._starting = None
-
-    def _wait_for_the_job(self, groups: int) -> bool:
-        """While every member of the quorum is at step 0 and fewer than ``groups`` are in it, drop the quorum
-        (nothing committed) and ask again, for at most ``quorum_timeout``: a group that started first would
-        otherwise train alone steps that the others, once they joined, would do again. Whether they came."""
-        deadline = time.monotonic() + self._quorum_timeout
-        while self._members_or_none() < groups and self.step == 0:
-            if time.monotonic() > deadline:
-                if not self._restarted:
-                    log.warning(
-                        "replica group %s: the job starts with %d of its %d replica groups (%s): the others did not "
-                        "join within %g s (quorum_timeout)", self._replica_id, len(self.members), groups,
-                        ", ".join(self.members), self._quorum_timeout,
-                    )  # fmt: skip
-                return False
-            time.sleep(0.05)
-            self._manager.start_quorum()  # the quorum above is left without a commit: its step 0 stays 0
-        return True
-
-    def _members_or_none(self) -> int:
-        """How many groups the quorum holds; 0 for a group started again that no quorum answers at all (the
-        lighthouse is gone with the job: asked several times, ``quorum_timeout`` each).
+        """Ask for this step's quorum (before the forward pass); every group calls it at each step. The quorum is
+        judged against the job's record before it trains (see the class's docstring); waiting for the job's first
+        quorum, or for a holder of its state, happens there.
 
         Raises:
-            TimeoutError: no quorum, in a group's first start (the lighthouse is not there yet, or unreachable).
-            RuntimeError: torchft's transport error in a group's first start (the same, as its client says it).
+            JobEnded: (from the properties that wait for the quorum) the job finished, or cannot go on.
         """
-        try:
-            return len(self.members)
-        except (TimeoutError, RuntimeError) as exc:  # RuntimeError: torchft's "transport error" (lighthouse gone)
-            if not self._restarted or (isinstance(exc, RuntimeError) and "transport error" not in str(exc)):
-                raise
-            log.warning("replica group %s: started again, it reaches no lighthouse that answers", self._replica_id)
-            return 0
+        self._manager.start_quorum()
 
     def average_gradients(self, parameters: Iterable[nn.Parameter], also: torch.Tensor | None = None) -> bool:
         """Average the gradients of ``parameters`` over the group's ranks (when it has several) and then over the
@@ -248,14 +250,31 @@ class ReplicaGroup:
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step: then (only then) take the optimizer step.
-        Every group of the quorum calls it. When it is not, :attr:`failure` says why, as far as this group saw."""
+        Every group of the quorum calls it. When it is not, :attr:`failure` says why, as far as this group saw.
+        The quorum's first participant notes the step in the job's record (in the background)."""
         error = self._manager.errored()
         self.failure = None if error is None else _first_line(error.original_exception)
-        return bool(self._manager.should_commit())
+        committed = bool(self._manager.should_commit())
+        if committed and self._judge is not None and self._manager.participating_rank() == 0:
+            self._record.note_commit(self._judge.generation, self.step, tuple(self._quorum_ids))
+        return committed
+
+    def finish(self) -> None:
+        """Record that the job's training is done at :attr:`step`: a group that starts or comes back after this,
+        behind that step, trains nothing (it ends with status 0, saying so). Rank 0 writes; every rank may call it.
+
+        Raises:
+            RecordUnreachableError: the job's record is gone (with the lighthouse).
+        """
+        if self.rank != 0:
+            return
+        done = (self.step, self._replica_id)
+        self._record.update(lambda now: None if now.finished or now.failed else replace(now, finished=done))
 
     def close(self) -> None:
         """Leave the job: stop the manager's server and the store."""
         self._manager.shutdown(wait=False)
+        self._record.close()
         release_store(self._store_port)
         self._store_port = None
 
@@ -328,6 +347,16 @@ def local_address(lighthouse: str) -> str:
     return address
 
 
-def group_name(replica_id: str) -> str:
-    """A quorum member's replica id without the ``:uuid`` that torchft appends for each process."""
-    return replica_id.rpartition(":")[0] or replica_id
+def _job_record(lighthouse: str, secret: bytes | None, timeout: float, restarted: bool) -> JobRecord:
+    """This process's connection to the job's record beside ``lighthouse``.
+
+    Raises:
+        JobEnded: a group started again reaches no record: the lighthouse is gone with the job (status 0).
+        RecordUnreachableError: a group's first start reaches none.
+    """
+    try:
+        return JobRecord(*record_address(lighthouse), secret, timeout=min(timeout, 30.0))
+    except RecordUnreachableError as error:
+        if restarted:
+            raise JobEnded(0, f"started again, it reaches no lighthouse that answers ({error})") from None
+        raise

@@ -34,6 +34,9 @@ class TorchFT:
             until that many have joined, so that no group trains alone while the others are still starting
             (work that the others would then redo). Default ``$DDPKIT_REPLICA_GROUPS`` (which
             ``ddpkit run --fault-tolerance`` and ``fit_distributed`` set), else no wait.
+        member_timeout: seconds a quorum's set-up waits for its members (default 3): a group that died
+            after it asked for the quorum costs the others this before they go on without it (at least the
+            lighthouse's heartbeat timeout, 1 s by default, plus a margin for a loaded machine).
 
     Raises:
         ValueError: ``min_replicas`` or ``replica_groups`` below 1, or a timeout that is not a positive number.
@@ -45,6 +48,7 @@ class TorchFT:
     timeout: float = 30.0
     quorum_timeout: float = 60.0
     replica_groups: int | None = None
+    member_timeout: float = 3.0
 
     def __post_init__(self) -> None:
         for name in ("min_replicas", "replica_groups"):
@@ -53,7 +57,7 @@ class TorchFT:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1 (replica groups)")
-        for name in ("timeout", "quorum_timeout"):
+        for name in ("timeout", "quorum_timeout", "member_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < math.inf):
                 raise ValueError(f"{name}={value!r} must be a positive number of seconds")
@@ -92,14 +96,19 @@ class TorchFT:
         return replace(self, lighthouse=lighthouse, replica_id=replica_id, replica_groups=groups)
 
     def join(
-        self, state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None]
+        self,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        step: int = 0,
     ) -> ReplicaGroup:
-        """This process as a replica group of the job (:class:`ReplicaGroup`), with :meth:`resolved` settings; a
-        restart of the group where its launcher says so (``$TORCHELASTIC_RESTART_COUNT`` above 0).
+        """This process as a replica group of the job (:class:`ReplicaGroup`) from ``step`` (a checkpoint's), with
+        :meth:`resolved` settings; a restart of the group where its launcher says so
+        (``$TORCHELASTIC_RESTART_COUNT`` above 0).
 
         Raises:
             ValueError: no lighthouse or replica id (:meth:`resolved`).
             ImportError: torchft is not installed.
+            JobEnded: the job finished, or cannot go on (its record says so).
         """
         settings = self.resolved()
         assert settings.lighthouse is not None
@@ -108,6 +117,7 @@ class TorchFT:
             settings.lighthouse, settings.replica_id, state_dict, load_state_dict, min_replicas=settings.min_replicas,
             timeout=settings.timeout, quorum_timeout=settings.quorum_timeout, replica_groups=settings.replica_groups,
             restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0,  # its agent started it again
+            step=step, member_timeout=settings.member_timeout,
         )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ The driver has no loop over epochs or batches of its own: the runner asks it for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Iterator
@@ -29,11 +30,11 @@ from typing import Any
 
 import torch
 
+from ddpkit._failures import StopWithoutRestart
 from ddpkit.checkpoint import rng_state
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
-from ddpkit.fault_tolerance._record import finished, record_finished
-from ddpkit.fault_tolerance._replica import group_name
+from ddpkit.fault_tolerance._quorums import JobEnded, group_name
 from ddpkit.process_group import get_rank, get_world_size
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
 from ddpkit.training._ahead import ShareLoader, shares
@@ -65,6 +66,11 @@ def _weight_norms(model: torch.nn.Module) -> torch.Tensor:
             l2 = torch.stack(torch._foreach_norm(tensors, 2)).double().square().sum()
             total += torch.stack([l1, l2]).cpu()
     return total
+
+
+class _CannotGoOn(StopWithoutRestart):
+    """The job cannot go on (its record says why): this group's process ends, and its agent does not start it
+    again."""
 
 
 class FaultTolerantSteps:
@@ -160,30 +166,36 @@ class FaultTolerantSteps:
     def __enter__(self) -> FaultTolerantSteps:
         self.settings = self.settings.resolved()  # the logs name this group (its id may come from the environment)
         self.prefix = f"[{self.settings.replica_id}] "
-        done = finished()
-        if done is not None:
-            self._end_here(f"the job finished at step {done.step} (replica group {done.by} trained its last step)")
+        done = self.loop.state.global_step  # a checkpoint's steps (torchft counts the job's first quorum too)
+        with self.ending():  # the job finished, or cannot go on: its record says so
+            self._group = self.settings.join(self.state_dict, self.load_state_dict, done + 1 if done else 0)
         self.data.start_workers()
-        self._group = self.settings.join(self.state_dict, self.load_state_dict)
         return self
 
     def __exit__(self, *exc: object) -> None:
         state = self.loop.state
         trained = self._num_epochs is not None and (state.epoch >= self._num_epochs or state.should_stop)
-        if exc[0] is None and trained and self.rank == 0 and self._group is not None:
-            record_finished(state.global_step, str(self.settings.replica_id))  # for the job's groups on this machine
+        if exc[0] is None and trained and self._group is not None:
+            self._group.finish()  # a group that starts or comes back after this trains nothing
         self.data.close()
         if self._group is not None:
             self._group.close()
             self._group = None
 
-    def _end_here(self, why: str) -> None:
-        """End this group's process with status 0 (every rank of the group, rank 0 saying ``why``): the job has
-        nothing left for it to train, and it writes no checkpoint."""
-        if self.rank == 0:
-            sys.stderr.write(f"ddpkit: replica group {self.settings.replica_id}: {why}: it trains nothing and ends\n")
-            sys.stderr.flush()
-        raise SystemExit(0)
+    @contextlib.contextmanager
+    def ending(self) -> Iterator[None]:
+        """End this group's process (every rank of the group, rank 0 saying why) when the job has nothing left for
+        it (:class:`~ddpkit.fault_tolerance._quorums.JobEnded`): status 0 when the job finished, else status 1
+        without a restart by its agent (every group that held the job's state is gone, and no checkpoint holds
+        it). Either way it writes no checkpoint."""
+        try:
+            yield
+        except JobEnded as ended:
+            if self.rank == 0:
+                also = ": it trains nothing and ends" if ended.status == 0 else ""
+                sys.stderr.write(f"ddpkit: replica group {self.settings.replica_id}: {ended.why}{also}\n")
+                sys.stderr.flush()
+            raise (SystemExit(0) if ended.status == 0 else _CannotGoOn(ended.status)) from None
 
     @property
     def leader(self) -> bool:
@@ -341,19 +353,14 @@ class _QuorumStep(Step):
         driver, group = self.driver, self.group
         loop, state = driver.loop, driver.loop.state
         group.start_step()  # the quorum forms while this group computes the share it had in the last step
-        if group.alone and state.global_step == 0:  # started again, no peer to take the state from, no checkpoint
-            driver._end_here(
-                f"started again, it found no other replica group of the job within "
-                f"{driver.settings.quorum_timeout:g} s (quorum_timeout): the job finished, or its other groups are "
-                "gone, and nothing holds the run's state"
-            )  # fmt: skip
         epoch, low = state.epoch, driver.position
         items = driver._order(epoch)[low : low + driver.size]
         loop.optimizer.zero_grad(set_to_none=True)
         guess = driver.last_deal
         if guess is not None:
             yield from driver.share(items, epoch, low, *guess)
-        self.deal = (group.participants, group.participant_index)
+        with driver.ending():  # the quorum's verdict: the job may have finished, or be unable to go on
+            self.deal = (group.participants, group.participant_index)
         driver._note_members(group.member_processes, state.global_step)
         self.first = group.step == 0
         if self.first:  # the job's first quorum: every group but one takes that one's state (torchft's init_sync)

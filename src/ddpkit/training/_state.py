@@ -11,6 +11,7 @@ state. To add a field to ``TrainLoop``'s checkpoints, add it to
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections import defaultdict
@@ -25,6 +26,8 @@ from ddpkit.errors import DDPKitError
 from ddpkit.hangs._watchdog import paused
 from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
 from ddpkit.training._steps import TrainingEpochs
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RunField", "RunState", "TrainState"]
 
@@ -263,8 +266,19 @@ class TrainState:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write it atomically (:func:`~ddpkit.save_checkpoint`), then remove the sharded checkpoints beside it
-        that it does not name; from one process."""
-        save_checkpoint(self.to_dict(), path)
+        that it does not name; from one process. A checkpoint of a later step at ``path`` stays: a writer that was
+        stopped (a fault-tolerant group's, in a stall) while the others went on never puts the run back."""
+
+        def newer_there() -> bool:
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                return int(saved["global_step"]) > self.global_step
+            except Exception:  # none there, or not one of ours: this one goes there
+                return False
+
+        if newer_there() or not save_checkpoint(self.to_dict(), path, keep_existing=newer_there):
+            log.warning("the checkpoint of step %d was not written: %s holds a later step", self.global_step, path)
+            return
         remove_unnamed_sharded(Path(path).parent, self.sharded)
 
     def write(self, path: str | os.PathLike[str]) -> None:
