@@ -476,7 +476,7 @@ def test_a_quorum_that_does_not_form_in_time_is_asked_for_again_before_the_group
     group asks its manager again, up to QUORUM_ATTEMPTS times, saying so, and records the quorum that came."""
     from types import SimpleNamespace
 
-    from ddpkit.fault_tolerance._manager import QUORUM_ATTEMPTS, _RecordingClient
+    from ddpkit.fault_tolerance._manager import QUORUM_ATTEMPTS, SeenQuorum, _RecordingClient
     from ddpkit.fault_tolerance._quorums import ACCEPT
 
     class Slow:
@@ -487,21 +487,19 @@ def test_a_quorum_that_does_not_form_in_time_is_asked_for_again_before_the_group
             self.asked += 1
             if self.asked <= self.timeouts:
                 raise TimeoutError('status: Cancelled, message: "Timeout expired"')
-            return SimpleNamespace(replica_ids=["g0:a", "g1:b"])
+            return SimpleNamespace(replica_ids=["g0:a", "g1:b"], max_step=7)
 
-    ids: list[str] = []
+    seen = SeenQuorum()
     slow = Slow(QUORUM_ATTEMPTS - 1)
     with caplog.at_level("WARNING", "ddpkit.fault_tolerance"):
-        assert _RecordingClient(slow, ids, "g0", lambda quorum: ACCEPT)._quorum(timeout=1).replica_ids == [
-            "g0:a",
-            "g1:b",
-        ]
-    assert (slow.asked, ids) == (QUORUM_ATTEMPTS, ["g0:a", "g1:b"])
+        quorum = _RecordingClient(slow, seen, "g0", lambda quorum: ACCEPT)._quorum(timeout=1)
+    assert quorum.replica_ids == ["g0:a", "g1:b"]
+    assert (slow.asked, seen) == (QUORUM_ATTEMPTS, SeenQuorum(["g0:a", "g1:b"], 7))
     assert f"replica group g0: no quorum formed within quorum_timeout (status: Cancelled, message: \"Timeout " \
            f"expired\"); asking again (2 of {QUORUM_ATTEMPTS})" in caplog.text  # fmt: skip
     never = Slow(QUORUM_ATTEMPTS)
     with pytest.raises(TimeoutError, match="Timeout expired"):
-        _RecordingClient(never, [], "g0", lambda quorum: ACCEPT)._quorum(timeout=1)
+        _RecordingClient(never, SeenQuorum(), "g0", lambda quorum: ACCEPT)._quorum(timeout=1)
     assert never.asked == QUORUM_ATTEMPTS
 
 

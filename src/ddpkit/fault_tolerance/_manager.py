@@ -12,13 +12,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from ddpkit._group_store import SignedStore
 from ddpkit.fault_tolerance._quorums import JobEnded, Verdict
 from ddpkit.fault_tolerance._torchft import bracketed
 
-__all__ = ["QUORUM_ATTEMPTS", "client_recording", "manager_server_on", "signed_group_store"]
+__all__ = ["QUORUM_ATTEMPTS", "SeenQuorum", "client_recording", "manager_server_on", "signed_group_store"]
 
 log = logging.getLogger(__name__)
 _CONSTRUCTION = threading.Lock()
@@ -75,17 +76,26 @@ AGAIN_S = 0.1
 Verdicts = Callable[[Any], Verdict]
 
 
+@dataclass
+class SeenQuorum:
+    """The last quorum a group's client received and took: its members (torchft's ``NAME:uuid``, in its order) and
+    its highest step (the step its members train from)."""
+
+    ids: list[str] = field(default_factory=list)
+    max_step: int = 0
+
+
 class _RecordingClient:
     """torchft's ``ManagerClient``, keeping the replica ids of each quorum it receives (torchft's manager keeps
-    them to itself) in ``ids``; judging each quorum (``verdicts``) before torchft sets it up: one that must not
+    them to itself) in ``seen``; judging each quorum (``verdicts``) before torchft sets it up: one that must not
     train is asked again (after :data:`AGAIN_S`), and one that ends the group raises
     :class:`~ddpkit.fault_tolerance._quorums.JobEnded` (from torchft's quorum future: where the group waits for
     the quorum); and asking again (up to :data:`QUORUM_ATTEMPTS` times) when no quorum formed within its
     timeout: torchft's manager would raise that from the next step's ``start_quorum`` and the group's process
     would end (seen while a stranger spoke in a group's name and the quorums were slow to form)."""
 
-    def __init__(self, client: Any, ids: list[str], replica_id: str, verdicts: Verdicts) -> None:
-        self._client, self._ids, self._replica_id, self._verdicts = client, ids, replica_id, verdicts
+    def __init__(self, client: Any, seen: SeenQuorum, replica_id: str, verdicts: Verdicts) -> None:
+        self._client, self._seen, self._replica_id, self._verdicts = client, seen, replica_id, verdicts
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         while True:
@@ -96,7 +106,8 @@ class _RecordingClient:
             if verdict.kind == "end":
                 raise JobEnded(verdict.status, verdict.why)
             time.sleep(AGAIN_S)
-        self._ids[:] = list(quorum.replica_ids)
+        self._seen.ids[:] = list(quorum.replica_ids)
+        self._seen.max_step = int(quorum.max_step)
         return quorum
 
     def _ask(self, *args: Any, **kwargs: Any) -> Any:
@@ -122,14 +133,14 @@ class _RecordingClient:
 
 
 @contextmanager
-def client_recording(managers: Any, ids: list[str], replica_id: str, verdicts: Verdicts) -> Iterator[None]:
-    """Within the block (under :data:`_CONSTRUCTION`), torchft's ``Manager`` gets a client that records the
-    quorums' replica ids into ``ids``, judges each quorum with ``verdicts`` (asking again for one that must not
-    train), and asks again for a quorum that did not form in time."""
+def client_recording(managers: Any, seen: SeenQuorum, replica_id: str, verdicts: Verdicts) -> Iterator[None]:
+    """Within the block (under :data:`_CONSTRUCTION`), torchft's ``Manager`` gets a client that records each quorum
+    it takes in ``seen``, judges each quorum with ``verdicts`` (asking again for one that must not train), and asks
+    again for a quorum that did not form in time."""
     original = managers.ManagerClient
 
     def recording(*args: Any, **kwargs: Any) -> _RecordingClient:
-        return _RecordingClient(original(*args, **kwargs), ids, replica_id, verdicts)
+        return _RecordingClient(original(*args, **kwargs), seen, replica_id, verdicts)
 
     managers.ManagerClient = recording
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import queue
 import socket
 import threading
 import time
@@ -47,6 +48,7 @@ def proven_gloo(
     replica_ids: Callable[[], Sequence[str]],
     address: str | None = None,
     member_timeout: float = 3.0,
+    doomed: Callable[[int], str | None] | None = None,
 ) -> Any:
     """torchft's ``ProcessGroupGloo`` whose members prove ``secret`` at every configuration (none without one),
     its gloo device on ``address``, whose set-up waits at most ``member_timeout`` for a member.
@@ -57,6 +59,9 @@ def proven_gloo(
         member_timeout: seconds the configuration waits for the quorum's store and for each member's address in
             it (a member that died after it asked for the quorum never writes one): then it fails, and torchft
             fails the step, instead of waiting ``timeout``.
+        doomed: asked (with this rank's rank in its replica group) while a collective has waited over
+            :data:`WATCH_AFTER_S` seconds: why it cannot complete (a member stopped, or the others went on
+            without this group), else ``None``. Then the wait ends with that error, instead of ``timeout``.
         replica_ids: the replica ids of the quorum being configured (torchft's ``NAME:uuid``), in rank order: every
             signature binds them, and the quorum's store must be one of theirs (:func:`check_store_owner`).
         address: this machine's address that the other groups reach (gloo listens and advertises there, whatever
@@ -65,7 +70,7 @@ def proven_gloo(
     """
     group_class = _proven_class()
     return group_class(timeout=timedelta(seconds=timeout), secret=secret, replica_ids=replica_ids, address=address,
-                       member_timeout=min(member_timeout, timeout))  # fmt: skip
+                       member_timeout=min(member_timeout, timeout), doomed=doomed)  # fmt: skip
 
 
 @functools.cache
@@ -77,10 +82,12 @@ def _proven_class() -> type[Any]:
         """torchft's gloo group, proving its members at every configuration."""
 
         def __init__(self, *, timeout: timedelta, secret: bytes | None, replica_ids: Callable[[], Sequence[str]],
-                     address: str | None, member_timeout: float) -> None:  # fmt: skip
+                     address: str | None, member_timeout: float, doomed: Callable[[int], str | None] | None,
+                     ) -> None:  # fmt: skip
             super().__init__(timeout=timeout)
             self._secret, self._ids, self._seconds = secret, replica_ids, timeout.total_seconds()
-            self._address, self._member_seconds = address, member_timeout
+            self._address, self._member_seconds, self._doomed = address, member_timeout, doomed
+            self._rank_in_group: int | None = None  # this rank's in its replica group, once configured
             self._forming: tuple[str, Callable[[], dict[int, str]]] = ("", dict)
             self._signed: SignedStore | None = None
             self._within: _Within | None = None  # kept: torch holds only its C++ part
@@ -89,7 +96,7 @@ def _proven_class() -> type[Any]:
             self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
             group_rank: int | None = None, group_world_size: int | None = None, global_ranks: list[int] | None = None,
         ) -> None:  # fmt: skip
-            secret = self._secret
+            secret, self._rank_in_group = self._secret, group_rank
             if world_size > 1:
                 try:  # a store that is gone (its group died) fails at once, not after torch's connect retries
                     _store_answers(store_addr, self._member_seconds)
@@ -132,6 +139,22 @@ def _proven_class() -> type[Any]:
             except Exception:
                 self.abort(errored=False)  # nothing of the job moves through this group
                 raise  # torchft logs it (once per quorum: a failed step makes the next quorum a new one)
+
+        def abort(self, errored: bool = True) -> None:
+            old = self._pg  # torchft's: the group of the last quorum
+            super().abort(errored)
+            if old is not None:  # kept, then let go of elsewhere: its end waits for a collective still running
+                _REAPER.put((old, time.monotonic() + self._seconds + 5.0))
+
+        def _wrap_work(self, work: Any, opts: object) -> Any:
+            if self._doomed is None or self._rank_in_group is None:
+                return work
+            doomed, rank = self._doomed, int(self._rank_in_group)
+            try:
+                future = work.get_future()
+            except RuntimeError:  # gloo's send and recv (a recovering group's state) have none: waited as they are
+                return work
+            return _Watched(work, future, lambda: doomed(rank))
 
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             if self._secret is not None and world_size > 1:
@@ -228,6 +251,78 @@ class _Within(torch.distributed.Store):  # type: ignore[misc, name-defined]  # t
     @property
     def timeout(self) -> timedelta:
         return self._inner.timeout  # type: ignore[no-any-return]
+
+
+#: Seconds a collective of the quorum's group waits before it asks whether it can still complete.
+WATCH_AFTER_S = 1.0
+
+
+def _reap(groups: queue.SimpleQueue[tuple[Any, float]]) -> None:
+    """Hold each group put in ``groups`` until its time (once any collective left running in it has timed out),
+    then drop it, in this thread: gloo's group joins its threads when it ends, which waits for such a collective
+    (one that a stopped member never completes), and torchft's configuration would otherwise drop it itself."""
+    while True:
+        group, until = groups.get()
+        time.sleep(max(0.0, until - time.monotonic()))
+        del group
+
+
+#: The quorums' groups that were aborted, let go of in a thread of their own (see :func:`_reap`).
+_REAPER: queue.SimpleQueue[tuple[Any, float]] = queue.SimpleQueue()
+threading.Thread(target=_reap, args=(_REAPER,), name="ddpkit-quorum-group-reaper", daemon=True).start()
+
+
+class _Watched(torch.distributed._Work):  # type: ignore[misc, name-defined]  # torch does not type it
+    """A collective of the quorum's group whose wait ends early when it cannot complete: after
+    :data:`WATCH_AFTER_S` seconds it asks ``doomed()`` every 0.1 s, and raises its reason (torchft then fails the
+    step, as for any error of the group) instead of waiting the group's timeout for a member that stopped (SIGSTOP,
+    a machine that froze: its connections stay open and gloo waits) or for others that went on without this group.
+    The collective itself runs on in gloo's thread until its timeout; nothing waits for it."""
+
+    def __init__(self, work: Any, future: Any, doomed: Callable[[], str | None]) -> None:
+        super().__init__()
+        self._work, self._doomed = work, doomed
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        began = time.monotonic()
+        limit = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
+        while not self._done.wait(0.1):
+            waited = time.monotonic() - began
+            if limit is not None and waited > limit:
+                break  # the collective's own wait raises its timeout
+            if waited > WATCH_AFTER_S and (why := self._doomed()) is not None:
+                raise RuntimeError(f"the quorum's collective cannot complete: {why}")
+        return bool(
+            self._work.wait()
+            if limit is None
+            else self._work.wait(timedelta(seconds=0.001 + max(0.0, limit - (time.monotonic() - began))))
+        )
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self._work.is_success())
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def source_rank(self) -> int:
+        return int(self._work.source_rank())
+
+    def result(self) -> Any:
+        return self._work.result()
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def block_current_stream(self) -> None:
+        self._work.block_current_stream()
 
 
 def _store_answers(store_addr: str, seconds: float) -> None:

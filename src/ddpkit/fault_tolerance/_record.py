@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -43,6 +44,10 @@ _ASKS = "ddpkit/asks"
 _GAP_S = 5.0
 #: Seconds between two looks at a key that is awaited.
 _POLL_S = 0.01
+#: Seconds between two beats of a replica group's rank (its counter in the record's store goes up by one).
+BEAT_S = 0.25
+#: Seconds a rank's beat may stand still before the others count it as stalled (stopped, or gone).
+STALLED_S = 2.0
 
 
 class RecordUnreachableError(DDPKitError):
@@ -179,6 +184,8 @@ class JobRecord:
         self._wake = threading.Condition()
         self._writer: threading.Thread | None = None
         self._closed = False
+        self._beats: dict[str, tuple[int, float]] = {}  # key -> (the count seen, since when)
+        self._watching: Any = None  # the watcher's own connection (the main thread's)
 
     def _ask_for_the_job(self) -> str:
         number = int(self._store.add(_ASKS, 1))
@@ -279,8 +286,42 @@ class JobRecord:
             except Exception as exc:  # the lighthouse is gone: the job ends with it
                 log.debug("the job's record could not be written: %s", exc)
 
+    def start_beating(self, process: str, rank: int) -> None:
+        """Beat for rank ``rank`` of ``process`` (torchft's ``NAME:uuid``) in the background, every :data:`BEAT_S`
+        seconds, until :meth:`close`: a stopped or dead process stops beating (see :meth:`stalled`)."""
+        store = self._store.clone()  # type: ignore[attr-defined]
+        key = f"ddpkit/beat/{process}/{rank}"
+
+        def beat() -> None:
+            while not self._closed:
+                try:
+                    store.add(key, 1)
+                except Exception as exc:  # the lighthouse is gone: the job ends with it
+                    log.debug("the job's record took no beat: %s", exc)
+                    return
+                time.sleep(BEAT_S)
+
+        threading.Thread(target=beat, name="ddpkit-job-record-beat", daemon=True).start()
+
+    def stalled(self, processes: list[str], rank: int) -> list[str]:
+        """The processes among ``processes`` whose rank ``rank`` has not beaten for :data:`STALLED_S` seconds, as
+        this process saw their beats (from the first time it asked: call it repeatedly while waiting). An unsigned
+        count: a stranger can only make a stalled process look alive (then the step waits its timeout)."""
+        if self._watching is None:
+            self._watching = self._store.clone()  # type: ignore[attr-defined]
+        now, found = time.monotonic(), []
+        for process in processes:
+            key = f"ddpkit/beat/{process}/{rank}"
+            count = int(self._watching.add(key, 0))
+            seen = self._beats.get(key)
+            if seen is None or seen[0] != count:
+                self._beats[key] = (count, now)
+            elif now - seen[1] > STALLED_S:
+                found.append(process)
+        return found
+
     def close(self) -> None:
-        """Write what is noted, then stop."""
+        """Write what is noted, stop beating, then stop."""
         with self._wake:
             self._closed = True
             self._wake.notify()

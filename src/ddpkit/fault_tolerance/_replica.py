@@ -22,10 +22,10 @@ from ddpkit.connection import group_context
 from ddpkit.environments.base import is_loopback
 from ddpkit.errors import DDPKitError, RendezvousFailedError
 from ddpkit.fault_tolerance._healing import TensorTransport
-from ddpkit.fault_tolerance._manager import client_recording, manager_server_on, signed_group_store
+from ddpkit.fault_tolerance._manager import SeenQuorum, client_recording, manager_server_on, signed_group_store
 from ddpkit.fault_tolerance._quorum_proof import claim_store, proven_gloo
 from ddpkit.fault_tolerance._quorums import JobEnded, QuorumJudge, QuorumVerdicts, VerdictRelay, group_name
-from ddpkit.fault_tolerance._record import JobRecord, RecordUnreachableError, record_address
+from ddpkit.fault_tolerance._record import STALLED_S, JobRecord, RecordUnreachableError, record_address
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
 from ddpkit.process_group import get_rank, get_world_size
 
@@ -119,12 +119,12 @@ class ReplicaGroup:
         secret = job_secret()
         if secret is None:
             _warn_without_secret()
-        #: The replica ids of the last quorum, as this group's client received them (``NAME:uuid``).
-        self._quorum_ids: list[str] = []
+        #: The last quorum this group's client took: its replica ids (``NAME:uuid``) and highest step.
+        self._seen = SeenQuorum()
         #: Why the last step was not committed, as far as this group saw (``Type: message``), else ``None``.
         self.failure: str | None = None
         self._replica_id, self._quorum_timeout = replica_id, quorum_timeout
-        self._group = proven_gloo(secret, timeout, lambda: list(self._quorum_ids), local, member_timeout)
+        self._group = proven_gloo(secret, timeout, lambda: list(self._seen.ids), local, member_timeout, self._doomed)
         transport = TensorTransport(
             self._group, lambda: {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}},
             timeout,
@@ -151,7 +151,7 @@ class ReplicaGroup:
             verdicts = QuorumVerdicts(self._judge, self._relay(store, secret, quorum_timeout))
             with (
                 manager_server_on(managers, local),
-                client_recording(managers, self._quorum_ids, replica_id, verdicts),
+                client_recording(managers, self._seen, replica_id, verdicts),
                 signed_group_store(managers, secret, f"torchft group store|{store[0]}:{store[1]}|{group_context()}",
                                     signed),
             ):  # fmt: skip
@@ -164,13 +164,27 @@ class ReplicaGroup:
                 )  # fmt: skip
             if step > 0:  # a checkpoint's step: a quorum of groups that all started again goes on from the newest
                 self._manager.load_state_dict({"step": step, "batches_committed": 0})
+            #: This group's process as torchft names it in the quorums (``NAME:uuid``).
+            self._process = _read_key(signed[0] if signed else store, managers.REPLICA_ID_KEY).decode()
+            self._record.start_beating(self._process, self.rank)  # the others see that this rank is alive
             if secret is not None and self.rank == 0:  # the quorums' members check whose store it is
-                replica = signed[0].get(managers.REPLICA_ID_KEY).decode()
-                claim_store(f"{bracketed(local)}:{self._store_port}", replica, secret)
+                claim_store(f"{bracketed(local)}:{self._store_port}", self._process, secret)
         except BaseException:
             release_store(self._store_port)
             self._record.close()
             raise
+
+    def _doomed(self, rank: int) -> str | None:
+        """Why the quorum's collective in which rank ``rank`` of this group waits cannot complete, if it cannot: a
+        member's same rank stopped beating in the job's record (stopped, or dead with its connections open), or
+        the job's record went past this group's step (the others went on without it); else ``None``."""
+        others = [member for member in self._seen.ids if member != getattr(self, "_process", None)]
+        stalled = self._record.stalled(others, rank)
+        if stalled:
+            return f"{_names(stalled)} stopped (no beat for {STALLED_S:g} s): stopped, or dead"
+        if self._record.read().step > self._seen.max_step + 1:  # a step after this quorum's was committed
+            return "the other replica groups went on without this one (it was stopped, or fell behind)"
+        return None
 
     def _relay(self, store: tuple[str, int | None], secret: bytes | None, quorum_timeout: float) -> VerdictRelay | None:
         """How rank 0's verdicts on the quorums reach the group's other ranks (``None`` for a group of one)."""
@@ -205,14 +219,14 @@ class ReplicaGroup:
         """The replica ids of the current step's quorum, recovering groups included, sorted (waits for the
         quorum)."""
         self._manager.wait_quorum()
-        return tuple(sorted(group_name(i) for i in self._quorum_ids))
+        return tuple(sorted(group_name(i) for i in self._seen.ids))
 
     @property
     def member_processes(self) -> tuple[str, ...]:
         """The current step's quorum as torchft names its members, ``NAME:uuid`` with a new uuid each time a
         group's process starts, sorted (waits for the quorum): a group started again shows here."""
         self._manager.wait_quorum()
-        return tuple(sorted(self._quorum_ids))
+        return tuple(sorted(self._seen.ids))
 
     def start_step(self) -> None:
         """Ask for this step's quorum (before the forward pass); every group calls it at each step. The quorum is
@@ -256,7 +270,7 @@ class ReplicaGroup:
         self.failure = None if error is None else _first_line(error.original_exception)
         committed = bool(self._manager.should_commit())
         if committed and self._judge is not None and self._manager.participating_rank() == 0:
-            self._record.note_commit(self._judge.generation, self.step, tuple(self._quorum_ids))
+            self._record.note_commit(self._judge.generation, self.step, tuple(self._seen.ids))
         return committed
 
     def finish(self) -> None:
@@ -345,6 +359,23 @@ def local_address(lighthouse: str) -> str:
             f"no route from this machine to the lighthouse at {lighthouse}: check its address and the network"
         )
     return address
+
+
+def _read_key(store: Any | tuple[str, int | None], key: str) -> bytes:
+    """``key``'s value in the group's store (a store, or its ``(host, port)``)."""
+    if isinstance(store, tuple):
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        host, port = store
+        assert port is not None
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+    return bytes(store.get(key))
+
+
+def _names(processes: list[str]) -> str:
+    """``replica group NAME`` / ``replica groups A, B`` of torchft's ``NAME:uuid`` processes."""
+    names = sorted({group_name(p) for p in processes})
+    return f"replica group{'s' if len(names) > 1 else ''} {', '.join(names)}"
 
 
 def _job_record(lighthouse: str, secret: bytes | None, timeout: float, restarted: bool) -> JobRecord:
