@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import in_a_namespace
 from tests.support.chaos import check_chaos, run_chaos, schedule
 
 pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
@@ -35,3 +36,15 @@ def test_a_seeded_schedule_of_faults_never_splits_the_job_nor_retrains_a_step(se
     run = run_chaos(seed, tmp_path)
     figures = check_chaos(run)
     print(f"seed {seed}: {', '.join(map(str, schedule(seed, 3, 138)))}: {figures}")
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_the_same_across_three_nodes_each_its_own_command_and_checkpoint_directory(tmp_path: Path) -> None:
+    """Seed 2's faults on three "nodes" (test addresses of a network namespace, one `ddpkit run --fault-tolerance
+    --nnodes 3` each, the first serving the lighthouse and the job's record): the same checks
+    (tests/e2e/netns_chaos.py). Two nodes' groups killed together wait for the third's state through the record
+    beside the lighthouse, as on one machine."""
+    result = in_a_namespace("", tmp_path, module="tests.e2e.netns_chaos", timeout=400)
+    assert "failed" not in result, f"{result.get('failed')}\n{result['output']}"
+    print(f"three nodes: {'; '.join(result['schedule'])}: {result['figures']}")

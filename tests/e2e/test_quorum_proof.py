@@ -27,7 +27,7 @@ def test_a_stranger_to_a_fault_tolerant_job_gets_nothing_gives_nothing_runs_noth
     """``ddpkit run --fault-tolerance -n 2 --max-restarts 2`` (a TrainLoop on digits), in a network namespace of
     the test's own. (a) A torchft ``Manager`` of a stranger's joins the quorums: it receives no state, its
     all-reduces never complete, the groups name it; (b) one claims step 10**6 and serves a pickled command: no
-    group takes its state, the command never runs; (c) a group with another secret is refused and says why;
+    group takes its state, the command never runs; (c) a group with another secret is refused at its start and says why;
     (d) every listener on 127.0.0.1; (e) the lighthouse's kill costs the killed group a restart. The groups'
     weights equal one process's run on the same batches (< 1e-5): no gradient of theirs entered a step."""
     from tests.e2e.ft_trainloop import check_against_one_process
@@ -52,9 +52,9 @@ def test_a_stranger_to_a_fault_tolerant_job_gets_nothing_gives_nothing_runs_noth
     assert secret["refused"], secret
     assert secret["trained"] == 0, "the group with another secret trained in the job"
     assert secret["went_on"], secret
-    why = (r"the quorum's store at 127\.0\.0\.1:\d+, which torchft's lighthouse named, is not the store of a replica "
-           r"group of this quorum that holds the job secret \(DDPKIT_JOB_SECRET\): its record of its owner "
-           r"\('group-[01]:[0-9a-f-]+'\) is not signed with this group's secret")  # fmt: skip
+    # Refused at its start, by the job's record beside the lighthouse: it never asks for a quorum.
+    why = (r"the job's record at 127\.0\.0\.1:\d+ \(beside the lighthouse\): its answer is not signed with this "
+           r"process's job secret: the lighthouse runs with another one")  # fmt: skip
     assert re.search(why, secret["log"]), secret["log"][-3000:]
     assert {address for address, _ in result["listeners"]} == {"127.0.0.1"}, result["listeners"]
     kill = result["kill"]

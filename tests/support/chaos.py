@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpkit import TrainLoop
+from ddpkit._secret import write_secret_file
 from ddpkit.examples.demo import build_model
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.fault_tolerance import TorchFT
@@ -169,33 +170,62 @@ def _current_pid(folder: Path, group: int) -> int | None:
 
 
 def run_chaos(seed: int, folder: Path, *, groups: int = 3, epochs: int = 6, delay: float = 0.1,
-              timeout: float = 400.0) -> ChaosRun:  # fmt: skip
-    """Run the chaos job of seed ``seed`` in ``folder`` (``ddpkit run --fault-tolerance -n groups``) and fire its
-    schedule; the run, whatever happened (the checks are :func:`check_chaos`'s)."""
+              timeout: float = 400.0, endpoint: str | None = None) -> ChaosRun:  # fmt: skip
+    """Run the chaos job of seed ``seed`` in ``folder`` and fire its schedule; the run, whatever happened (the
+    checks are :func:`check_chaos`'s). The job is ``ddpkit run --fault-tolerance -n groups`` on this machine, or,
+    with ``endpoint`` (``HOST:PORT``, an address of this machine), one ``ddpkit run --fault-tolerance --nnodes
+    groups`` command per group as on several nodes, each with a checkpoint directory of its own (the first
+    serves the lighthouse there)."""
     folder.mkdir(parents=True, exist_ok=True)
     faults = schedule(seed, groups, epochs * STEPS_PER_EPOCH)
-    command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", str(groups), "--max-restarts", "12",
-               "-m", "tests.e2e.chaos_job", str(folder), str(epochs), str(delay),
-               str(folder / "checkpoints")]  # fmt: skip
+    job = ["-m", "tests.e2e.chaos_job", str(folder), str(epochs), str(delay)]
+    if endpoint is None:
+        commands = [[sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", str(groups),
+                     "--max-restarts", "12", *job, str(folder / "checkpoints")]]  # fmt: skip
+    else:
+        secret = folder / "secret"
+        write_secret_file(str(secret))
+        commands = [[sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "--nnodes", str(groups), "-n", "1",
+                     "--rdzv-endpoint", endpoint, "--secret-file", str(secret), "--replica-id", f"group-{group}",
+                     "--max-restarts", "12", *job, str(folder / f"checkpoints-{group}")]
+                    for group in range(groups)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    env.pop("DDPKIT_JOB_SECRET", None)
     run = ChaosRun(seed, groups, epochs, folder)
     began = time.monotonic()
-    with open(folder / "output.txt", "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            _fire(run, process, faults, began + timeout)
+    outputs = [folder / f"output-{number}.txt" for number in range(len(commands))]
+    processes = []
+    for command, path in zip(commands, outputs, strict=True):
+        with open(path, "wb") as output:
+            processes.append(subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))  # fmt: skip
+        if endpoint is not None and len(processes) == 1:  # the node that serves the lighthouse first
+            _wait_for_line(path, "lighthouse at", 60.0)
+    try:
+        _fire(run, processes, faults, began + timeout)
+        for process in processes:
             process.wait(timeout=max(1.0, began + timeout - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        finally:
-            for event in run.events:  # nothing stays stopped
-                if event.kind == "stop":
-                    _signal(event.pid, signal.SIGCONT)
-    run.status, run.seconds = process.returncode, time.monotonic() - began
-    run.output = (folder / "output.txt").read_text(errors="replace")
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    finally:
+        for event in run.events:  # nothing stays stopped
+            if event.kind == "stop":
+                _signal(event.pid, signal.SIGCONT)
+    statuses = [process.returncode for process in processes]
+    run.status = next((status for status in statuses if status != 0), 0)
+    run.seconds = time.monotonic() - began
+    run.output = "\n".join(path.read_text(errors="replace") for path in outputs)
     run.records = _read_records(folder)
     return run
+
+
+def _wait_for_line(path: Path, text: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and text not in path.read_text(errors="replace"):
+        time.sleep(0.1)
 
 
 def _signal(pid: int, signum: int) -> bool:
@@ -206,12 +236,12 @@ def _signal(pid: int, signum: int) -> bool:
     return True
 
 
-def _fire(run: ChaosRun, process: subprocess.Popen[bytes], faults: list[Fault], deadline: float) -> None:
+def _fire(run: ChaosRun, processes: list[subprocess.Popen[bytes]], faults: list[Fault], deadline: float) -> None:
     """Fire each fault once the job has committed its step and every group is up (its process committed a step
     since it started), until the command ends."""
     pending = list(faults)
     again: dict[int, tuple[int, str]] = {}  # group -> (the pid killed, the fault): kill its next process once back
-    while process.poll() is None and time.monotonic() < deadline:
+    while any(process.poll() is None for process in processes) and time.monotonic() < deadline:
         time.sleep(0.05)
         records = _read_records(run.folder)
         step = max((r["step"] + 1 for rs in records.values() for r in rs if "step" in r), default=0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import hmac
-import queue
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ from ddpkit._group_store import SignedStore, member_address
 from ddpkit._secret import DIGEST_BYTES, GUIDE, secret_source, tag
 from ddpkit.errors import GroupProofError
 from ddpkit.fault_tolerance._torchft import torchft_module
+from ddpkit.fault_tolerance._waits import REAPER, Watched, Within
 
 __all__ = ["OWNER_KEY", "check_store_owner", "claim_store", "proven_gloo"]
 
@@ -59,9 +59,9 @@ def proven_gloo(
         member_timeout: seconds the configuration waits for the quorum's store and for each member's address in
             it (a member that died after it asked for the quorum never writes one): then it fails, and torchft
             fails the step, instead of waiting ``timeout``.
-        doomed: asked (with this rank's rank in its replica group) while a collective has waited over
-            :data:`WATCH_AFTER_S` seconds: why it cannot complete (a member stopped, or the others went on
-            without this group), else ``None``. Then the wait ends with that error, instead of ``timeout``.
+        doomed: asked (with this rank's rank in its replica group) while a collective has waited a second
+            (:class:`~ddpkit.fault_tolerance._waits.Watched`): why it cannot complete (a member stopped, or the
+            others went on without this group), else ``None``. Then the wait ends with that error, not ``timeout``.
         replica_ids: the replica ids of the quorum being configured (torchft's ``NAME:uuid``), in rank order: every
             signature binds them, and the quorum's store must be one of theirs (:func:`check_store_owner`).
         address: this machine's address that the other groups reach (gloo listens and advertises there, whatever
@@ -90,7 +90,7 @@ def _proven_class() -> type[Any]:
             self._rank_in_group: int | None = None  # this rank's in its replica group, once configured
             self._forming: tuple[str, Callable[[], dict[int, str]]] = ("", dict)
             self._signed: SignedStore | None = None
-            self._within: _Within | None = None  # kept: torch holds only its C++ part
+            self._within: Within | None = None  # kept: torch holds only its C++ part
 
         def configure(
             self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
@@ -144,7 +144,7 @@ def _proven_class() -> type[Any]:
             old = self._pg  # torchft's: the group of the last quorum
             super().abort(errored)
             if old is not None:  # kept, then let go of elsewhere: its end waits for a collective still running
-                _REAPER.put((old, time.monotonic() + self._seconds + 5.0))
+                REAPER.put((old, time.monotonic() + self._seconds + 5.0))
 
         def _wrap_work(self, work: Any, opts: object) -> Any:
             if self._doomed is None or self._rank_in_group is None:
@@ -154,7 +154,7 @@ def _proven_class() -> type[Any]:
                 future = work.get_future()
             except RuntimeError:  # gloo's send and recv (a recovering group's state) have none: waited as they are
                 return work
-            return _Watched(work, future, lambda: doomed(rank))
+            return Watched(work, future, lambda: doomed(rank))
 
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             if self._secret is not None and world_size > 1:
@@ -168,7 +168,7 @@ def _proven_class() -> type[Any]:
                 store = SignedStore(store, self._secret, context, name_key)
                 self._signed = store  # torch holds only its C++ part, which cannot call its methods alone
             if world_size > 1:  # however many members never write their address, the set-up ends in time
-                store = self._within = _Within(store, self._member_seconds)
+                store = self._within = Within(store, self._member_seconds)
             with _gloo_on(torchft, self._address, self._member_seconds):
                 return super()._create_pg(store, rank, world_size)
 
@@ -209,120 +209,6 @@ def _bound_gloo(*args: Any, **kwargs: Any) -> Any:
     made = gloo(store, rank, size, options)
     made.set_timeout(timeout)
     return made
-
-
-class _Within(torch.distributed.Store):  # type: ignore[misc, name-defined]  # torch does not type it
-    """A quorum's store as gloo sees it while the group is made: every wait ends by one deadline, ``seconds`` from
-    now, so that the set-up costs at most that however many members never write their address (gloo waits for
-    each in turn, with the store's own timeout); everything else as ``inner`` does it."""
-
-    def __init__(self, inner: Any, seconds: float) -> None:
-        super().__init__()
-        self._inner, self._deadline = inner, time.monotonic() + seconds
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        left = max(0.001, self._deadline - time.monotonic())
-        self._inner.wait(keys, timedelta(seconds=left if timeout is None else min(left, timeout.total_seconds())))
-
-    def set(self, key: str, value: bytes | str) -> None:
-        self._inner.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._inner.get(key))
-
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return bytes(self._inner.compare_set(key, expected, desired))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._inner.check(keys))
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._inner.add(key, amount))
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._inner.delete_key(key))
-
-    def num_keys(self) -> int:
-        return int(self._inner.num_keys())
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._inner.timeout  # type: ignore[no-any-return]
-
-
-#: Seconds a collective of the quorum's group waits before it asks whether it can still complete.
-WATCH_AFTER_S = 1.0
-
-
-def _reap(groups: queue.SimpleQueue[tuple[Any, float]]) -> None:
-    """Hold each group put in ``groups`` until its time (once any collective left running in it has timed out),
-    then drop it, in this thread: gloo's group joins its threads when it ends, which waits for such a collective
-    (one that a stopped member never completes), and torchft's configuration would otherwise drop it itself."""
-    while True:
-        group, until = groups.get()
-        time.sleep(max(0.0, until - time.monotonic()))
-        del group
-
-
-#: The quorums' groups that were aborted, let go of in a thread of their own (see :func:`_reap`).
-_REAPER: queue.SimpleQueue[tuple[Any, float]] = queue.SimpleQueue()
-threading.Thread(target=_reap, args=(_REAPER,), name="ddpkit-quorum-group-reaper", daemon=True).start()
-
-
-class _Watched(torch.distributed._Work):  # type: ignore[misc, name-defined]  # torch does not type it
-    """A collective of the quorum's group whose wait ends early when it cannot complete: after
-    :data:`WATCH_AFTER_S` seconds it asks ``doomed()`` every 0.1 s, and raises its reason (torchft then fails the
-    step, as for any error of the group) instead of waiting the group's timeout for a member that stopped (SIGSTOP,
-    a machine that froze: its connections stay open and gloo waits) or for others that went on without this group.
-    The collective itself runs on in gloo's thread until its timeout; nothing waits for it."""
-
-    def __init__(self, work: Any, future: Any, doomed: Callable[[], str | None]) -> None:
-        super().__init__()
-        self._work, self._doomed = work, doomed
-        self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        began = time.monotonic()
-        limit = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
-        while not self._done.wait(0.1):
-            waited = time.monotonic() - began
-            if limit is not None and waited > limit:
-                break  # the collective's own wait raises its timeout
-            if waited > WATCH_AFTER_S and (why := self._doomed()) is not None:
-                raise RuntimeError(f"the quorum's collective cannot complete: {why}")
-        return bool(
-            self._work.wait()
-            if limit is None
-            else self._work.wait(timedelta(seconds=0.001 + max(0.0, limit - (time.monotonic() - began))))
-        )
-
-    def get_future(self) -> Any:
-        return self._work.get_future()
-
-    def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
-
-    def is_success(self) -> bool:
-        return bool(self._work.is_success())
-
-    def exception(self) -> Any:
-        return self._work.exception()
-
-    def source_rank(self) -> int:
-        return int(self._work.source_rank())
-
-    def result(self) -> Any:
-        return self._work.result()
-
-    def synchronize(self) -> None:
-        self._work.synchronize()
-
-    def block_current_stream(self) -> None:
-        self._work.block_current_stream()
 
 
 def _store_answers(store_addr: str, seconds: float) -> None:

@@ -1,0 +1,130 @@
+"""How the quorums' process group waits, bounded: its set-up for its members (:class:`Within`), each collective for
+a member that stopped (:class:`Watched`), and the end of a group aborted while a collective still runs in it
+(:data:`REAPER`)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = ["REAPER", "WATCH_AFTER_S", "Watched", "Within"]
+
+
+class Within(torch.distributed.Store):  # type: ignore[misc, name-defined]  # torch does not type it
+    """A quorum's store as gloo sees it while the group is made: every wait ends by one deadline, ``seconds`` from
+    now, so that the set-up costs at most that however many members never write their address (gloo waits for
+    each in turn, with the store's own timeout); everything else as ``inner`` does it."""
+
+    def __init__(self, inner: Any, seconds: float) -> None:
+        super().__init__()
+        self._inner, self._deadline = inner, time.monotonic() + seconds
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        left = max(0.001, self._deadline - time.monotonic())
+        self._inner.wait(keys, timedelta(seconds=left if timeout is None else min(left, timeout.total_seconds())))
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._inner.get(key))
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return bytes(self._inner.compare_set(key, expected, desired))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._inner.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._inner.add(key, amount))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self._inner.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout  # type: ignore[no-any-return]
+
+
+#: Seconds a collective of the quorum's group waits before it asks whether it can still complete.
+WATCH_AFTER_S = 1.0
+
+
+def _reap(groups: queue.SimpleQueue[tuple[Any, float]]) -> None:
+    """Hold each group put in ``groups`` until its time (once any collective left running in it has timed out),
+    then drop it, in this thread: gloo's group joins its threads when it ends, which waits for such a collective
+    (one that a stopped member never completes), and torchft's configuration would otherwise drop it itself."""
+    while True:
+        group, until = groups.get()
+        time.sleep(max(0.0, until - time.monotonic()))
+        del group
+
+
+#: The quorums' groups that were aborted, let go of in a thread of their own (see :func:`_reap`).
+REAPER: queue.SimpleQueue[tuple[Any, float]] = queue.SimpleQueue()
+threading.Thread(target=_reap, args=(REAPER,), name="ddpkit-quorum-group-reaper", daemon=True).start()
+
+
+class Watched(torch.distributed._Work):  # type: ignore[misc, name-defined]  # torch does not type it
+    """A collective of the quorum's group whose wait ends early when it cannot complete: after
+    :data:`WATCH_AFTER_S` seconds it asks ``doomed()`` every 0.1 s, and raises its reason (torchft then fails the
+    step, as for any error of the group) instead of waiting the group's timeout for a member that stopped (SIGSTOP,
+    a machine that froze: its connections stay open and gloo waits) or for others that went on without this group.
+    The collective itself runs on in gloo's thread until its timeout; nothing waits for it."""
+
+    def __init__(self, work: Any, future: Any, doomed: Callable[[], str | None]) -> None:
+        super().__init__()
+        self._work, self._doomed = work, doomed
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        began = time.monotonic()
+        limit = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
+        while not self._done.wait(0.1):
+            waited = time.monotonic() - began
+            if limit is not None and waited > limit:
+                break  # the collective's own wait raises its timeout
+            if waited > WATCH_AFTER_S and (why := self._doomed()) is not None:
+                raise RuntimeError(f"the quorum's collective cannot complete: {why}")
+        return bool(
+            self._work.wait()
+            if limit is None
+            else self._work.wait(timedelta(seconds=0.001 + max(0.0, limit - (time.monotonic() - began))))
+        )
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self._work.is_success())
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def source_rank(self) -> int:
+        return int(self._work.source_rank())
+
+    def result(self) -> Any:
+        return self._work.result()
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def block_current_stream(self) -> None:
+        self._work.block_current_stream()
