@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/chaos.py                       # seeds 1-20, 3 replica groups
     .venv/bin/python tools/chaos.py --seeds 21-30 --groups 4
+    .venv/bin/python tools/chaos.py --seeds 1-3 --group-size 2   # groups of 2 ranks
     .venv/bin/python tools/chaos.py --keep /tmp/chaos     # keep each run's folder (logs, output) there
 
 Each seed runs ``ddpkit run --fault-tolerance -n GROUPS`` on the digits classifier (6 epochs, global batch 64) while
@@ -34,6 +35,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="1-20", help="FIRST-LAST (default 1-20)")
     parser.add_argument("--groups", type=int, default=3, help="replica groups (default 3)")
+    parser.add_argument("--group-size", type=int, default=1, help="ranks per replica group (default 1)")
     parser.add_argument("--keep", default=None, help="a folder to keep each run's files in (default: removed)")
     args = parser.parse_args()
     passed, failed, silences, after = 0, [], [], []
@@ -42,7 +44,7 @@ def main() -> int:
         root = Path(args.keep or scratch)
         for seed in _seeds(args.seeds):
             faults = schedule(seed, args.groups, 6 * 23)
-            run = run_chaos(seed, root / f"seed-{seed}", groups=args.groups)
+            run = run_chaos(seed, root / f"seed-{seed}", groups=args.groups, group_size=args.group_size)
             try:
                 figures = check_chaos(run)
             except AssertionError as error:
@@ -55,7 +57,8 @@ def main() -> int:
             print(f"seed {seed}: ok in {figures['seconds']:.0f} s; {'; '.join(map(str, faults))}; longest silence "
                   f"{figures['longest_silence']:.2f} s; next commit after each fault "
                   f"{', '.join(f'{t:.2f}' for t in figures['after_fault'])} s", flush=True)  # fmt: skip
-    print(f"\n{passed} of {passed + len(failed)} seeds passed ({args.groups} groups, {time.monotonic() - began:.0f} s)"
+    print(f"\n{passed} of {passed + len(failed)} seeds passed ({args.groups} groups of {args.group_size} ranks, "
+          f"{time.monotonic() - began:.0f} s)"
           + (f"; failed: {failed}" if failed else ""))  # fmt: skip
     if silences:
         print(f"longest silence of a live group: max {max(silences):.2f} s, median {statistics.median(silences):.2f} s")

@@ -170,18 +170,20 @@ def _current_pid(folder: Path, group: int) -> int | None:
 
 
 def run_chaos(seed: int, folder: Path, *, groups: int = 3, epochs: int = 6, delay: float = 0.1,
-              timeout: float = 400.0, endpoint: str | None = None) -> ChaosRun:  # fmt: skip
+              timeout: float = 400.0, endpoint: str | None = None, group_size: int = 1) -> ChaosRun:  # fmt: skip
     """Run the chaos job of seed ``seed`` in ``folder`` and fire its schedule; the run, whatever happened (the
     checks are :func:`check_chaos`'s). The job is ``ddpkit run --fault-tolerance -n groups`` on this machine, or,
     with ``endpoint`` (``HOST:PORT``, an address of this machine), one ``ddpkit run --fault-tolerance --nnodes
     groups`` command per group as on several nodes, each with a checkpoint directory of its own (the first
-    serves the lighthouse there)."""
+    serves the lighthouse there). With ``group_size`` above 1 (on one machine), each group has that many ranks;
+    the faults hit each group's rank 0 (its agent then starts all its ranks again)."""
     folder.mkdir(parents=True, exist_ok=True)
     faults = schedule(seed, groups, epochs * STEPS_PER_EPOCH)
     job = ["-m", "tests.e2e.chaos_job", str(folder), str(epochs), str(delay)]
     if endpoint is None:
-        commands = [[sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", str(groups),
-                     "--max-restarts", "12", *job, str(folder / "checkpoints")]]  # fmt: skip
+        commands = [[sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", str(groups * group_size),
+                     "--group-size", str(group_size), "--max-restarts", "12", *job,
+                     str(folder / "checkpoints")]]  # fmt: skip
     else:
         secret = folder / "secret"
         write_secret_file(str(secret))

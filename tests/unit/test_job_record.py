@@ -29,6 +29,7 @@ from ddpkit.fault_tolerance._record import (  # noqa: E402
     JobRecord,
     Record,
     RecordUnreachableError,
+    UnsignedRecordError,
     record_address,
 )
 
@@ -100,8 +101,8 @@ def test_a_record_with_another_secret_or_none_is_named_with_the_fix(monkeypatch:
             JobRecord(*record_address(signed.address), None, timeout=1.0)
         with pytest.raises(DDPKitError, match="not signed with this process's job secret"):
             JobRecord(*record_address(signed.address), OTHER_SECRET.encode(), timeout=1.0)
-    with serve_lighthouse("127.0.0.1") as plain, pytest.raises(DDPKitError, match="answers without the job secret"):
-        JobRecord(*record_address(plain.address), SECRET, timeout=1.0)  # no secret where the lighthouse runs
+    with serve_lighthouse("127.0.0.1") as plain, pytest.raises(UnsignedRecordError, match="answers without the job "):
+        JobRecord(*record_address(plain.address), SECRET, timeout=10.0)  # no secret where the lighthouse runs: at once
     with pytest.raises(
         RecordUnreachableError, match=r"does not answer .*serve the record on the lighthouse's port \+ 1"
     ):
@@ -323,3 +324,24 @@ def test_a_group_started_again_that_reaches_no_lighthouse_trains_nothing_and_end
     assert "ddpkit: replica group g1: started again, it reaches no lighthouse that answers" in capsys.readouterr().err
     with pytest.raises(JobEnded):
         raise JobEnded(0, "a JobEnded is a DDPKitError")
+
+
+def test_a_group_with_the_secret_and_a_lighthouse_without_it_trains_without_the_record_saying_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lighthouse started without the job secret (as `ddpkit lighthouse` without --secret-file was, before it had
+    a record) and a group given one: the group cannot trust the record, says so once with the fix, and trains as
+    before the record existed."""
+    from ddpkit._secret import SECRET_VARIABLE
+
+    monkeypatch.delenv(SECRET_VARIABLE, raising=False)
+    with serve_lighthouse("127.0.0.1") as lighthouse:
+        monkeypatch.setenv(SECRET_VARIABLE, JOB_SECRET)
+        loop = _digits_loop(fault_tolerance=TorchFT(lighthouse.address, "g0", timeout=10), global_batch_size=64,
+                            samples=256)  # fmt: skip
+        with caplog.at_level("WARNING", "ddpkit.fault_tolerance"):
+            loop.fit(1)
+        assert _connect(lighthouse, None).read() == Record(), "nothing was written in the untrusted record"
+    assert loop.global_step == 4
+    assert "answers without the job secret: the lighthouse's process was not given the job's" in caplog.text
+    assert "ddpkit lighthouse --secret-file" in caplog.text

@@ -15,10 +15,22 @@ the groups' process group as tensors and plain values, never unpickled.
   the step's quorum, the gradients averaged over its participants, the commit.
 
 - :class:`TorchFT`: the settings of ``TrainLoop(fault_tolerance=...)``, which trains as one replica group.
+- :class:`JobEnded`: a replica group has nothing left to train (the job finished, or cannot go on);
+  :class:`RecordUnreachableError`: no job's record answers beside the lighthouse.
 """
 
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
+from ddpkit.fault_tolerance._quorums import JobEnded
+from ddpkit.fault_tolerance._record import RecordUnreachableError
 from ddpkit.fault_tolerance._replica import ReplicaGroup
 from ddpkit.fault_tolerance._settings import TorchFT, torchft_settings
 
-__all__ = ["Lighthouse", "ReplicaGroup", "TorchFT", "serve_lighthouse", "torchft_settings"]
+__all__ = [
+    "JobEnded",
+    "Lighthouse",
+    "RecordUnreachableError",
+    "ReplicaGroup",
+    "TorchFT",
+    "serve_lighthouse",
+    "torchft_settings",
+]

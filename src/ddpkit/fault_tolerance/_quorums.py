@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from ddpkit._sealed import SealedKeys
 from ddpkit.errors import DDPKitError
-from ddpkit.fault_tolerance._record import JobRecord, Record
+from ddpkit.fault_tolerance._record import JobRecord, LocalRecord, Record
 
 __all__ = ["JobEnded", "QuorumJudge", "QuorumVerdicts", "Verdict", "VerdictRelay", "group_name"]
 
@@ -79,7 +79,7 @@ class QuorumJudge:
         quorum_timeout: seconds to wait for the job's groups at its start, or for a holder of its state.
     """
 
-    def __init__(self, record: JobRecord, replica_id: str, *, start: int, replica_groups: int | None,
+    def __init__(self, record: JobRecord | LocalRecord, replica_id: str, *, start: int, replica_groups: int | None,
                  quorum_timeout: float) -> None:  # fmt: skip
         self.record, self.replica_id, self.start = record, replica_id, start
         self.replica_groups, self.quorum_timeout = replica_groups, quorum_timeout

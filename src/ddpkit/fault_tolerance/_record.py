@@ -32,7 +32,16 @@ from ddpkit._stores import release_store, serve_store
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
 
-__all__ = ["RECORD_PORT_OFFSET", "JobRecord", "Record", "RecordServer", "RecordUnreachableError", "record_address"]
+__all__ = [
+    "RECORD_PORT_OFFSET",
+    "JobRecord",
+    "LocalRecord",
+    "Record",
+    "RecordServer",
+    "RecordUnreachableError",
+    "UnsignedRecordError",
+    "record_address",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +52,9 @@ _ASKS = "ddpkit/asks"
 #: Seconds the server waits for an ask whose number was drawn before it answers the next (a stranger's gap).
 _GAP_S = 5.0
 #: Seconds between two looks at a key that is awaited.
-_POLL_S = 0.01
+_POLL_S = 0.02
+#: Seconds between two writes of the noted commits (the newest note then): the record lags the job by so much.
+_NOTE_EVERY_S = 0.05
 #: Seconds between two beats of a replica group's rank (its counter in the record's store goes up by one).
 BEAT_S = 0.25
 #: Seconds a rank's beat may stand still before the others count it as stalled (stopped, or gone).
@@ -53,6 +64,11 @@ STALLED_S = 2.0
 class RecordUnreachableError(DDPKitError):
     """The job's record beside the lighthouse cannot be reached or read (gone with the lighthouse, or never
     served there)."""
+
+
+class UnsignedRecordError(RecordUnreachableError):
+    """The job's record answers without the job secret that this process holds (the lighthouse's process was
+    given none): nothing in it can be told from what a stranger wrote."""
 
 
 @dataclass(frozen=True)
@@ -200,10 +216,13 @@ class JobRecord:
                 value = keys.open(key, raw)
                 if value is not None and value.startswith(nonce + b"|"):
                     return value[len(nonce) + 1 :].decode()
+                if self._secret is not None and raw.startswith(nonce + b"|"):
+                    raise UnsignedRecordError(
+                        f"the job's record at {self.address} (beside the lighthouse) answers without the job secret: "
+                        f"the lighthouse's process was not given the job's ({secret_source()})"
+                    )
             time.sleep(_POLL_S)  # not there yet, or a stranger's (or an earlier one): the server's comes
-        if self._secret is not None and raw.startswith(nonce + b"|"):
-            why = f"it answers without the job secret: give the lighthouse's process the job's ({secret_source()})"
-        elif self._secret is None and raw and not raw.startswith(nonce + b"|"):
+        if self._secret is None and raw and not raw.startswith(nonce + b"|"):
             why = "it answers with a job secret, and this process has none: give it the job's (DDPKIT_JOB_SECRET)"
         elif raw:
             why = "its answer is not signed with this process's job secret: the lighthouse runs with another one"
@@ -254,8 +273,8 @@ class JobRecord:
 
     def note_commit(self, generation: int, step: int, holders: tuple[str, ...]) -> None:
         """Record, in the background, that the quorum of ``holders`` committed ``step`` (of the job's
-        ``generation``): written unless the record holds a later step already (the newest note wins; a note never
-        waits for the store)."""
+        ``generation``): written unless the record holds a later step already (the newest note wins, at most every
+        :data:`_NOTE_EVERY_S` seconds; a note never waits for the store)."""
         with self._wake:
             self._pending = (generation, step, holders)
             self._wake.notify()
@@ -285,6 +304,7 @@ class JobRecord:
                 self.update(later(note))
             except Exception as exc:  # the lighthouse is gone: the job ends with it
                 log.debug("the job's record could not be written: %s", exc)
+            time.sleep(_NOTE_EVERY_S)  # one write for the steps committed meanwhile
 
     def start_beating(self, process: str, rank: int) -> None:
         """Beat for rank ``rank`` of ``process`` (torchft's ``NAME:uuid``) in the background, every :data:`BEAT_S`
@@ -327,6 +347,39 @@ class JobRecord:
             self._wake.notify()
         if self._writer is not None:
             self._writer.join(timeout=5.0)
+
+
+class LocalRecord:
+    """What a replica group keeps of the job's record in its own process, where the lighthouse's record cannot be
+    trusted (:class:`UnsignedRecordError`): the quorums it judges, the step it noted, nothing another process
+    wrote. Two groups started again together then cannot know that a third holds a later state, and no beat
+    tells a stopped member: the protections of the job's record are off, as before there was one."""
+
+    def __init__(self) -> None:
+        self._record = Record()
+
+    def read(self) -> Record:
+        return self._record
+
+    def update(self, change: Callable[[Record], Record | None]) -> Record:
+        new = change(self._record)
+        if new is not None:
+            self._record = new
+        return self._record
+
+    def note_commit(self, generation: int, step: int, holders: tuple[str, ...]) -> None:
+        self.update(lambda now: replace(now, generation=generation, step=step, holders=holders)
+                    if (generation, step) > (now.generation, now.step) and not now.finished else None)  # fmt: skip
+
+    def start_beating(self, process: str, rank: int) -> None:
+        """Nothing: nobody else reads this record."""
+
+    def stalled(self, processes: list[str], rank: int) -> list[str]:
+        """None: no beats reach this process."""
+        return []
+
+    def close(self) -> None:
+        """Nothing to write."""
 
 
 def _first_line(error: BaseException) -> str:

@@ -25,12 +25,20 @@ from ddpkit.fault_tolerance._healing import TensorTransport
 from ddpkit.fault_tolerance._manager import SeenQuorum, client_recording, manager_server_on, signed_group_store
 from ddpkit.fault_tolerance._quorum_proof import claim_store, proven_gloo
 from ddpkit.fault_tolerance._quorums import JobEnded, QuorumJudge, QuorumVerdicts, VerdictRelay, group_name
-from ddpkit.fault_tolerance._record import STALLED_S, JobRecord, RecordUnreachableError, record_address
+from ddpkit.fault_tolerance._record import (
+    STALLED_S,
+    JobRecord,
+    LocalRecord,
+    RecordUnreachableError,
+    UnsignedRecordError,
+    record_address,
+)
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
 from ddpkit.process_group import get_rank, get_world_size
 
 log = logging.getLogger(__name__)
 _warned_without_secret = False
+_warned_unsigned_record = False
 
 
 class ReplicaGroup:
@@ -378,15 +386,27 @@ def _names(processes: list[str]) -> str:
     return f"replica group{'s' if len(names) > 1 else ''} {', '.join(names)}"
 
 
-def _job_record(lighthouse: str, secret: bytes | None, timeout: float, restarted: bool) -> JobRecord:
-    """This process's connection to the job's record beside ``lighthouse``.
+def _job_record(lighthouse: str, secret: bytes | None, timeout: float, restarted: bool) -> JobRecord | LocalRecord:
+    """This process's connection to the job's record beside ``lighthouse``; where that record has no job secret
+    and this process has one, a record of this process's own, after a warning (once per process).
 
     Raises:
         JobEnded: a group started again reaches no record: the lighthouse is gone with the job (status 0).
         RecordUnreachableError: a group's first start reaches none.
     """
+    global _warned_unsigned_record
     try:
         return JobRecord(*record_address(lighthouse), secret, timeout=min(timeout, 30.0))
+    except UnsignedRecordError as error:
+        if not _warned_unsigned_record:
+            _warned_unsigned_record = True
+            log.warning(
+                "%s: this replica group cannot trust it, and goes on without it: two groups lost together may then "
+                "train steps again, and a stopped group costs the others the step's timeout. Give the lighthouse the "
+                "job secret (ddpkit lighthouse --secret-file, or DDPKIT_JOB_SECRET where it runs); see %s",
+                error, GUIDE,
+            )  # fmt: skip
+        return LocalRecord()
     except RecordUnreachableError as error:
         if restarted:
             raise JobEnded(0, f"started again, it reaches no lighthouse that answers ({error})") from None
