@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -48,8 +49,9 @@ def _finish(process: subprocess.Popen[str], timeout: float = 150) -> tuple[int, 
 
 
 def _job_id_with_afree_port() -> str:
-    """A SLURM-style job id whose derived port (15000 + its last four digits) is free right now."""
-    for job in range(4242, 10000, 97):
+    """A SLURM-style job id whose derived port (15000 + its last four digits) is free right now, drawn at random:
+    tests that run at once in other pytest workers must not draw the same one."""
+    for job in random.sample(range(1000, 10000), 200):
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", 15000 + job))
