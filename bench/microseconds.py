@@ -72,15 +72,18 @@ def _plugin_steps(plugin: ddpkit.DDPPlugin, model: nn.Module, optimizer: torch.o
 
 
 def _hand_written_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader[Any]) -> None:
-    """What a TrainLoop epoch does, written by hand: the loader's batches, DDP's step, the loss summed."""
+    """What a TrainLoop epoch does, written by hand: the loader's batches, DDP's step, the loss summed on the
+    device (read once, at the epoch's end, as a careful hand-written loop does)."""
     total = torch.zeros(2, dtype=torch.float64)
     for x, y in loader:
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
-        total += torch.tensor([float(loss.detach()) * len(y), len(y)], dtype=torch.float64)
+        total[0].add_(loss.detach().double(), alpha=len(y))
+        total[1].add_(len(y))
     dist.all_reduce(total)
+    total.tolist()
 
 
 def _step_workloads(device: torch.device, calls: int) -> list[Workload]:

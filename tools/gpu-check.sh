@@ -9,6 +9,7 @@
 # 3. The CUDA tests (tests/gpu, with a hang report under NCCL on two GPUs, and the CUDA tests elsewhere in the
 #    suite), `ddpkit demo` and `ddpkit doctor` on the GPU, and the bench rows on CUDA with their targets
 #    (uneven gather and scalar mean against raw NCCL, the DDP step, the hang watchdog's cost on a CUDA step), and a
+#    TrainLoop step under CUDA's sync debug mode at "error" (no step waits for the GPU), a
 #    fault-tolerant TrainLoop of two torchft replica groups on the GPU against one process's weights, and (with
 #    2 GPUs or more) two replica groups of 2 ranks each under `ddpkit run --fault-tolerance --group-size 2`.
 # Every step runs even when one before it failed; the exit status is 1 if any failed. Nothing here is CI:

@@ -23,6 +23,7 @@ def test_ddpkit_demo_trains_on_two_processes_to_90_percent() -> None:
     assert done.returncode == 0, done.stderr
     line = (
         r"^epoch +(\d+)/10 +train loss [\d.]+ +validation loss [\d.]+ +validation accuracy [\d.]+ +"
+        r"\d+ items/s +peak memory \d+(?:-\d+)? MiB/rank(?: \(most: rank [01]\))? +"
         r"load\+forward [\d.]+-[\d.]+ ms/batch \(slowest rank [01]\)$"
     )
     epochs = re.findall(line, done.stdout, re.MULTILINE)

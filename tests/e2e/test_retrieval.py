@@ -26,7 +26,8 @@ def test_ddpkit_demo_retrieval_runs_on_two_processes() -> None:
         capture_output=True, text=True, timeout=170, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    epochs = re.findall(r"^epoch +(\d)/3 +train loss [\d.]+ +validation precision_at_1 [\d.]+ +load\+forward "
+    epochs = re.findall(r"^epoch +(\d)/3 +train loss [\d.]+ +validation precision_at_1 [\d.]+ +\d+ items/s +"
+                        r"peak memory \d+(?:-\d+)? MiB/rank(?: \(most: rank [01]\))? +load\+forward "
                         r"[\d.]+-[\d.]+ ms/batch \(slowest rank [01]\)$", done.stdout, re.M)  # fmt: skip
     assert epochs == ["1", "2", "3"]
     summary = re.search(r"2 processes \(gloo\), 3 epochs, .* precision@1 ([\d.]+) \(untrained ([\d.]+)\)", done.stdout)

@@ -91,6 +91,41 @@ def train_loop(epochs: int) -> dict[str, Any]:
     return {"device": str(next(loop.model.parameters()).device), "history": history}
 
 
+class _StrictBetween(ddpkit.Callback):
+    """Makes any synchronising CUDA call raise (``torch.cuda.set_sync_debug_mode("error")``) after step ``first``
+    and until step ``last``, and counts the host reads there (tests/support/host_reads.py)."""
+
+    def __init__(self, first: int, last: int) -> None:
+        from tests.support.host_reads import CountReadsBetweenSteps
+
+        self.first, self.last = first, last
+        self.counter = CountReadsBetweenSteps(first, last)
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        step, cuda = train_loop.global_step, train_loop.device.type == "cuda"
+        if step == self.last and cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        self.counter.on_batch_end(train_loop)
+        if step == self.first and cuda:
+            torch.cuda.set_sync_debug_mode("error")
+
+
+def train_loop_never_syncs(options: dict[str, Any]) -> dict[str, Any]:
+    """Steps 3 to 20 of the digits TrainLoop (SGD, ``options``: clipping, bf16, a schedule) on this rank's device
+    with CUDA's sync debug mode at "error": a step that waits for the device raises. The host reads counted there
+    and the device."""
+    from tests.builders import digits_loop as build
+
+    loop = build(32, device=device_of_rank(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), **options)
+    strict = _StrictBetween(2, 20)
+    try:
+        loop.fit(1, callbacks=[strict])
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+    return {"device": str(next(loop.model.parameters()).device), "reads": strict.counter.per_step()}
+
+
 class DeviceNote(ddpkit.Callback):
     """Writes, at each epoch's end, the device of the model's weights to ``FOLDER/<REPLICA_GROUP_ID>.device``."""
 
@@ -181,6 +216,9 @@ def _main() -> None:
     print("stream_ends:", ends)
     assert ends == [5, 5], ends
     print("flight_recorder:", ddpkit.launch(flight_recorder, nprocs=2, backend="gloo")[0])
+    strict = ddpkit.launch(train_loop_never_syncs, {"gradient_clip_norm": 0.3}, nprocs=2, backend="gloo")[0]
+    print("train_loop_never_syncs:", strict)
+    assert strict["reads"] == 0.0, strict
     history = ddpkit.launch(train_loop, 1, nprocs=2, backend="gloo")[0]["history"]
     print("train_loop:", history)
     assert history["validation_accuracy"][-1] > 0.5, history

@@ -72,6 +72,16 @@ def test_train_loop_trains_on_cuda_local_rank() -> None:
     assert found["history"]["validation_accuracy"][-1] > 0.85, found["history"]
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"gradient_clip_norm": 0.3, "precision": "bf16-mixed"}], ids=["plain", "clip-bf16"]
+)
+def test_a_train_loop_step_never_waits_for_the_gpu(options: dict[str, Any]) -> None:
+    """CUDA's sync debug mode at "error" from step 3 to 20 (one process under NCCL: DDP with one rank): nothing in a
+    step synchronises with the device, and no host read is counted."""
+    found = launch(cuda_jobs.train_loop_never_syncs, options, nprocs=1, backend="nccl")[0]
+    assert found == {"device": "cuda:0", "reads": 0.0}
+
+
 def test_a_fault_tolerant_train_loop_of_two_replica_groups_trains_on_the_gpu_as_one_process_does(
     tmp_path: Path,
 ) -> None:

@@ -62,7 +62,8 @@ def test_bad_recipe_arguments_are_refused_naming_them(monkeypatch: pytest.Monkey
     other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
     with pytest.raises(ValueError, match=r"lr_scheduler is on another optimizer than the TrainLoop's"):
         TrainLoop(model, loader, optimizer=optimizer, lr_scheduler=other, progress=False).fit(1)
-    with pytest.raises(KeyError, match=r"ReduceLROnPlateau monitors 'validation_loss'.*has \['lr', 'train_loss'\]"):
+    has = r"has \['items_per_second', 'lr', 'peak_memory_mib', 'train_loss'\]"
+    with pytest.raises(KeyError, match=rf"ReduceLROnPlateau monitors 'validation_loss'.*{has}"):
         TrainLoop(model, loader, optimizer=optimizer, lr_scheduler=plateau, progress=False).fit(1)
     with pytest.raises(RuntimeError, match=r"torch.compile has no backend 'nope'; it has .*aot_eager"):
         TrainLoop(model, loader, compile={"backend": "nope"}, progress=False).fit(1)

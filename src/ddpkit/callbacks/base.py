@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, Protocol
 
 import torch
@@ -26,15 +26,17 @@ class TrainLoopView(Protocol):
     epoch: int
     #: Optimizer steps taken in all.
     global_step: int
-    #: Per epoch: ``train_loss`` and ``validation_<metric>``.
+    #: Per epoch: ``train_loss``, ``validation_<metric>``, ``items_per_second`` and ``peak_memory_mib``.
     history: dict[str, list[float]]
-    #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``).
+    #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``, on the
+    #: loss's device: reading it waits for the device).
     step_loss: torch.Tensor
     #: Set it (on every rank) to end training after this epoch.
     should_stop: bool
     #: What the last optimizer step measured besides its loss, the same on every rank: ``lr`` (with a
-    #: learning-rate scheduler), ``grad_norm`` (before clipping, with gradient clipping).
-    step_metrics: dict[str, float]
+    #: learning-rate scheduler), ``grad_norm`` (before clipping, with gradient clipping); a value the step kept on
+    #: the device is read when first asked for.
+    step_metrics: Mapping[str, float]
 
 
 class Callback:

@@ -73,9 +73,12 @@ class EpochLayout:
         return len(self._positions(rank))
 
     def items_between(self, low: int, high: int) -> int:
-        """Items (not entries) at positions ``[low, high)`` of the epoch, the tail's repeats included."""
+        """Items (not entries) at positions ``[low, high)`` of the epoch, the tail's repeats included (counted on the
+        host: a training step asks, and reads nothing back from a tensor)."""
+        if self.batch_sizes is None:
+            return max(0, high - low)
         positions = torch.arange(low, max(low, high), dtype=torch.int64)
-        return int(self._items_of(self._entries_at(positions)).sum())
+        return sum(self._items_of(self._entries_at(positions)).tolist())
 
     def rank_entry_items(self, rank: int) -> torch.Tensor:
         """Items in each entry ``rank`` gets, in its iteration order (int64; all ones for an item sampler)."""

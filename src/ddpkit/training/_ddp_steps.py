@@ -14,7 +14,7 @@ import torch
 from ddpkit.checkpoint import rng_state
 from ddpkit.collectives import all_gather_object, mp_sync, sync_ddp
 from ddpkit.process_group import get_rank, is_distributed
-from ddpkit.training._driver import Batch, CommittedStep, Step
+from ddpkit.training._driver import Batch, CommittedStep, EpochTotals, Step, peak_memory
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._steps import StepPlan, average_gradients
 
@@ -70,13 +70,16 @@ class DDPSteps:
             unfinished = step if isinstance(step, _ShardStep) and not step.position else Step()
             yield _FinalStep(self.run, plan, unfinished)
 
-    def epoch_loss(self) -> float:
-        """The epoch's train loss over every rank (one gather, with each rank's time per batch)."""
+    def epoch_totals(self) -> EpochTotals:
+        """The epoch's train loss and items over every rank, each rank's time per batch and peak memory: one
+        gather (the epoch's one read of its loss sums)."""
         loop = self.run.loop
-        mine = torch.cat([loop.state.epoch_sums, torch.tensor([self._busy / max(1, self._batches)]).double()])
-        per_rank = mp_sync(mine).view(-1, 3)
+        own = [self._busy / max(1, self._batches), float(peak_memory(loop.device))]
+        mine = torch.cat([loop.state.epoch_sums.cpu(), torch.tensor(own, dtype=torch.float64)])
+        per_rank = mp_sync(mine).view(-1, 4)
         loop.step_times = (1000 * per_rank[:, 2]).tolist() if per_rank.shape[0] > 1 else []
-        return loop.state.epoch_loss(per_rank[:, :2].sum(0))
+        sums = per_rank[:, :2].sum(0)
+        return EpochTotals(loop.state.epoch_loss(sums), float(sums[1]), [int(b) for b in per_rank[:, 3].tolist()])
 
     def gathered(self, position: int) -> tuple[list[dict[str, Any]], torch.Tensor]:
         """Every rank's random state and the ranks' summed loss sums (two small collectives; every rank)."""
@@ -124,7 +127,7 @@ class _FinalStep(Step):
     def __init__(self, run: TrainingRun, plan: StepPlan, unfinished: Step) -> None:
         super().__init__()
         self.run, self.plan = run, plan
-        self.loss_sum, self.items = unfinished.loss_sum, unfinished.items  # its batches, trained in the step before
+        self.take_counts(unfinished)  # its batches, trained in the step before
 
     def batches(self) -> Iterator[Batch]:
         return iter(())

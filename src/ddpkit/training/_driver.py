@@ -8,13 +8,14 @@ rank's steps hold and how their gradients are reduced and committed.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Batch", "CommittedStep", "Step", "StepDriver"]
+__all__ = ["Batch", "CommittedStep", "EpochTotals", "Step", "StepDriver", "peak_memory"]
 
 
 @dataclass
@@ -52,20 +53,28 @@ class Step:
 
     def restart(self) -> None:
         """Forget what was counted."""
-        #: This rank's loss sum and sample count in the step (:attr:`sums` as a tensor).
-        self.loss_sum, self.items = 0.0, 0.0
+        self._sums: torch.Tensor | None = None  # (2,) float64 on the loss's device, once a batch was counted
         #: Seconds of loading and forward of its batches (before the step's all-reduce), and their number.
         self.busy, self.trained = 0.0, 0
 
-    def count(self, mean_loss: float, items: float, seconds: float) -> None:
-        """Count a batch of ``items`` items whose mean loss was ``mean_loss``, loaded and run in ``seconds``."""
-        self.loss_sum, self.items = self.loss_sum + mean_loss * items, self.items + items
+    def count(self, mean_loss: torch.Tensor, items: float, seconds: float) -> None:
+        """Count a batch of ``items`` items whose mean loss was ``mean_loss`` (a tensor, left on its device: nothing
+        is read back to the host), loaded and run in ``seconds``."""
+        if self._sums is None:
+            self._sums = torch.zeros(2, dtype=torch.float64, device=mean_loss.device)
+        self._sums[0].add_(mean_loss.detach().to(torch.float64), alpha=items)
+        self._sums[1].add_(items)
         self.busy, self.trained = self.busy + seconds, self.trained + 1
+
+    def take_counts(self, other: Step) -> None:
+        """Count what ``other`` counted as this step's (a rank's last batches, trained in the step before)."""
+        self._sums = other._sums
 
     @property
     def sums(self) -> torch.Tensor:
-        """``(2,)`` float64: this rank's loss sum and sample count in the step."""
-        return torch.tensor([self.loss_sum, self.items], dtype=torch.float64)
+        """``(2,)`` float64: this rank's loss sum and sample count in the step, on the device of its losses (CPU
+        when it counted no batch)."""
+        return self._sums if self._sums is not None else torch.zeros(2, dtype=torch.float64)
 
     def batches(self) -> Iterator[Batch]:
         """The step's batches on this rank."""
@@ -96,6 +105,37 @@ class CommittedStep:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class EpochTotals:
+    """What an epoch's line and history say besides validation, over every process that trained it.
+
+    Attributes:
+        loss: the epoch's train loss (nan without items).
+        items: items trained in its steps since it began or resumed in this run.
+        peak_memory: each process's peak memory in bytes, in the order of the loop's ``step_times`` (ranks 0, 1,
+            ..., or the driver's ``timed`` names): ``torch.cuda.max_memory_allocated`` on a GPU, the process's
+            peak resident set size on the CPU.
+    """
+
+    loss: float
+    items: float
+    peak_memory: list[int]
+
+
+def peak_memory(device: torch.device) -> int:
+    """This process's peak memory in bytes so far: ``torch.cuda.max_memory_allocated(device)`` on a CUDA device,
+    else the process's peak resident set size (``getrusage``; 0 where the platform has none). Reads nothing from
+    the device."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
 class StepDriver(Protocol):
     """How a run's steps come to be: the epoch runner's other half (a context manager around the run)."""
 
@@ -119,8 +159,9 @@ class StepDriver(Protocol):
     def epoch(self, position: int, num_epochs: int) -> Iterator[Step]:
         """The steps of the run's current epoch from entry ``position`` on."""
 
-    def epoch_loss(self) -> float:
-        """After :meth:`epoch`: its train loss over every process; sets the loop's ``step_times``."""
+    def epoch_totals(self) -> EpochTotals:
+        """After :meth:`epoch`: its train loss, items and each process's time per batch and peak memory (every
+        process calls it: a driver may gather them); sets the loop's ``step_times``."""
 
     def gathered(self, position: int) -> tuple[list[dict[str, Any]], torch.Tensor]:
         """For a checkpoint after ``position`` entries of the epoch: the random states that it keeps, by rank, and

@@ -38,7 +38,7 @@ from ddpkit.fault_tolerance._quorums import JobEnded, group_name
 from ddpkit.process_group import get_rank, get_world_size
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
 from ddpkit.training._ahead import ShareLoader, shares
-from ddpkit.training._driver import Batch, CommittedStep, Step
+from ddpkit.training._driver import Batch, CommittedStep, EpochTotals, Step, peak_memory
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import TrainState
 
@@ -218,11 +218,13 @@ class FaultTolerantSteps:
         while self.position < len(self._order(self.loop.state.epoch)):
             yield _QuorumStep(self, self._group)
 
-    def epoch_loss(self) -> float:
-        """The epoch's train loss over every group (its sums came with each step's gradients)."""
+    def epoch_totals(self) -> EpochTotals:
+        """The epoch's train loss and items over every group (its sums came with each step's gradients), each
+        group's time per batch; the peak memory of this process only (no collective)."""
         self.timed = sorted(self._times)
         self.loop.step_times = [1000 * self._times[name][0] / self._times[name][1] for name in self.timed]
-        return self.loop.state.epoch_loss(self._job_sums)
+        loss = self.loop.state.epoch_loss(self._job_sums)
+        return EpochTotals(loss, float(self._job_sums[1]), [peak_memory(self.loop.device)])
 
     def _order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s global order (dataset indices), the same in every group."""
@@ -264,7 +266,8 @@ class FaultTolerantSteps:
         if index is not None and self.settings.replica_id in members:
             times[members.index(self.settings.replica_id)] = step.busy / max(1, step.trained)
         flags = loop.preemption.received_flags()
-        riding = torch.cat([step.sums, own, flags, times, mine if index is not None else torch.zeros_like(mine)])
+        sums = step.sums.cpu()  # the step's one read: torchft's commit waits for the step's collectives anyway
+        riding = torch.cat([sums, own, flags, times, mine if index is not None else torch.zeros_like(mine)])
         # Views of riding: their means over the participants once it has been averaged.
         mean_sums, mean_norms, mean_flags, mean_times, mean_buffers = torch.split(
             riding, [2, 2, 2, len(members), mine.numel()]

@@ -12,6 +12,7 @@ W x B. Validation metrics are computed on every sample exactly once
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -148,16 +149,19 @@ class TrainLoop:
     epoch = RunField[int]()
     #: Optimizer steps taken in all.
     global_step = RunField[int]()
-    #: Per-epoch numbers, ``train_loss`` and ``validation_<metric>``.
+    #: Per-epoch numbers: ``train_loss``, ``validation_<metric>``, ``items_per_second`` (over every rank) and
+    #: ``peak_memory_mib`` (the most any rank held).
     history = RunField[dict[str, list[float]]]()
-    #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``).
+    #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``), on the
+    #: loss's device: reading it (``.tolist()``, ``float(...)``) waits for the device; the loop itself never does.
     step_loss = RunField[torch.Tensor]()
     #: Set by a callback (e.g. :class:`~ddpkit.EarlyStopping`, on every rank) to end ``fit`` after this epoch.
     should_stop = RunField[bool]()
     #: What the last optimizer step measured besides its loss, the same on every rank. ``lr`` with a scheduler,
     #: ``grad_norm`` (before clipping) with clipping, ``replica_groups`` (the groups whose items it averaged) with
-    #: fault tolerance.
-    step_metrics = RunField[dict[str, float]]()
+    #: fault tolerance. A mapping of floats: a value computed on the device (``grad_norm``) is read back when a
+    #: callback first asks for it, not by the step.
+    step_metrics = RunField[Mapping[str, float]]()
 
     def __init__(
         self,

@@ -40,15 +40,32 @@ def straggler_text(step_times: list[float], names: list[str] | None = None) -> s
 
 def epoch_line(
     epoch: int, num_epochs: int, loss: float, metrics: dict[str, float], step_times: list[float],
-    names: list[str] | None = None,
+    names: list[str] | None = None, items_per_second: float | None = None, peak_memory: list[int] | None = None,
 ) -> str:  # fmt: skip
-    """``epoch  2/10  train loss 0.1234  validation accuracy 0.9600  load+forward ...`` (``epoch`` 0-based;
-    ``names``: whose ``step_times`` they are, default ranks 0, 1, ...)."""
+    """``epoch  2/10  train loss 0.1234  validation accuracy 0.9600  5230 items/s  peak memory 310-322 MiB/rank
+    (most: rank 1)  load+forward ...`` (``epoch`` 0-based; ``names``: whose ``step_times`` they are, default ranks
+    0, 1, ...; ``peak_memory``: bytes, by rank, or this process's alone)."""
     parts = [f"epoch {epoch + 1:>2}/{num_epochs}", f"train loss {loss:.4f}"]
     parts += [f"validation {name} {value:.4f}" for name, value in metrics.items()]
+    if items_per_second is not None and items_per_second == items_per_second:  # not nan
+        parts.append(f"{items_per_second:.0f} items/s")
+    if peak_memory:
+        parts.append(memory_text(peak_memory))
     if len(step_times) > 1:
         parts.append(straggler_text(step_times, names))
     return "  ".join(parts)
+
+
+def memory_text(peak_memory: list[int]) -> str:
+    """``peak memory 310 MiB`` (one process), ``peak memory 310-322 MiB/rank (most: rank 1)``, or ``peak memory 310
+    MiB/rank`` when every rank's rounds to the same."""
+    mib = [round(b / 2**20) for b in peak_memory]
+    if len(mib) == 1:
+        return f"peak memory {mib[0]} MiB"
+    if min(mib) == max(mib):
+        return f"peak memory {mib[0]} MiB/rank"
+    most = max(range(len(mib)), key=peak_memory.__getitem__)
+    return f"peak memory {min(mib)}-{max(mib)} MiB/rank (most: rank {most})"
 
 
 def resume_line(state: RunState, checkpoint_dir: Path | None, num_epochs: int) -> str:

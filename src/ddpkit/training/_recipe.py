@@ -37,11 +37,12 @@ _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class StepOutcome:
-    """What happened at an optimizer step: whether it was taken, and the gradients' norm before clipping."""
+    """What happened at an optimizer step: whether it was taken, and the gradients' norm before clipping (a 0-d
+    tensor on the gradients' device: read only when someone asks)."""
 
     __slots__ = ("grad_norm", "taken")
 
-    def __init__(self, taken: bool, grad_norm: float | None) -> None:
+    def __init__(self, taken: bool, grad_norm: torch.Tensor | None) -> None:
         self.taken, self.grad_norm = taken, grad_norm
 
 
@@ -95,6 +96,8 @@ class Recipe:
         #: fp16's gradient scaler, once :meth:`bind` made it.
         self.scaler: torch.amp.GradScaler | None = None
         self._device_type = "cpu"
+        self._optimizer_steps = 0  # steps the optimizer took (fp16's scaler skips some): counted by a hook
+        self._counting: Any = None  # the hook's handle
 
     # --- set-up -------------------------------------------------------------------------------------
 
@@ -122,6 +125,16 @@ class Recipe:
             )
         if self.precision == "16-mixed" and self.scaler is None:
             self.scaler = torch.amp.GradScaler(device.type)
+        if self.scaler is not None and self._counting is None:
+            # Whether the scaler skipped a step, without reading its scale back: it calls the optimizer's step
+            # only when it found no inf or nan (its own one read of the device per step).
+            self._counting = optimizer.register_step_post_hook(self._count_optimizer_step)
+
+    def _count_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_steps += 1
+
+    def __getstate__(self) -> dict[str, Any]:  # a TrainLoop travels to fit_distributed's workers: bound there again
+        return {**self.__dict__, "_counting": None}
 
     def compiled(self, model: nn.Module) -> nn.Module:
         """``model`` (the DDP-wrapped one) compiled as ``torch.compile(model, **options)``, or itself.
@@ -169,24 +182,30 @@ class Recipe:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, parameters: Iterator[nn.Parameter]) -> StepOutcome:
         """Unscale, measure and clip the (all-reduced) gradients, then step ``optimizer`` unless fp16 found an
-        inf or nan in them (then its scale shrinks and the step is skipped, on every rank alike)."""
-        norm: float | None = None
+        inf or nan in them (then its scale shrinks and the step is skipped, on every rank alike). Nothing is read
+        back to the host but fp16's scaler's own check (one read per step); the norm stays on the device."""
+        norm: torch.Tensor | None = None
         if self.clip_norm is not None or self.clip_value is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(optimizer)
             with_grads = [p for p in parameters if p.grad is not None]
             if self.clip_norm is not None:
-                norm = float(torch.nn.utils.clip_grad_norm_(with_grads, self.clip_norm))
+                norm = torch.nn.utils.clip_grad_norm_(with_grads, self.clip_norm)
             else:
-                norm = float(torch.nn.utils.get_total_norm([p.grad for p in with_grads]))  # type: ignore[misc]
+                norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads])  # type: ignore[misc]
                 torch.nn.utils.clip_grad_value_(with_grads, self.clip_value)  # type: ignore[arg-type]
         if self.scaler is None:
             optimizer.step()
             return StepOutcome(True, norm)
-        scale = self.scaler.get_scale()
+        if optimizer.defaults.get("fused"):  # the scaler lets a fused optimizer skip the step on the device
+            scale = self.scaler.get_scale()  # so the scale tells (two reads)
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            return StepOutcome(self.scaler.get_scale() >= scale, norm)
+        before = self._optimizer_steps
         self.scaler.step(optimizer)
         self.scaler.update()
-        return StepOutcome(self.scaler.get_scale() >= scale, norm)
+        return StepOutcome(self._optimizer_steps > before, norm)
 
     def after_step(self, outcome: StepOutcome) -> None:
         """Step a per-step scheduler after a step that was taken (a skipped one keeps its learning rate)."""

@@ -38,7 +38,7 @@ from ddpkit.fault_tolerance import TorchFT
 from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
 from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, is_distributed
 from ddpkit.process_group._seeding import reseed_torch
-from ddpkit.training._driver import Batch, CommittedStep, Step, StepDriver
+from ddpkit.training._driver import Batch, CommittedStep, EpochTotals, Step, StepDriver
 from ddpkit.training._evaluation import predict_in_order
 from ddpkit.training._messages import epoch_line, resume_line, skipped_model_error
 from ddpkit.training._preemption import PreemptionHandler
@@ -184,6 +184,7 @@ class TrainingRun:
         epoch (a fault-tolerant group that took a peer's state) begins that one: ``on_epoch_begin`` again."""
         loop, state = self.loop, self.loop.state
         epoch, start = state.epoch, state.begin_epoch()
+        began = time.perf_counter()
         self.forward_model.train()
         bar: tqdm[Any] | None = None
         try:
@@ -205,7 +206,8 @@ class TrainingRun:
         finally:
             if bar is not None:
                 bar.close()
-        self._end_epoch(driver.epoch_loss(), num_epochs, driver)
+        totals = driver.epoch_totals()  # its one read of the device: the work queued is done when it returns
+        self._end_epoch(totals, time.perf_counter() - began, num_epochs, driver)
 
     def train_batch(self, batch: Batch, step: Step, began: float) -> None:
         """The per-batch body: reseed, move to the device, ``training_step`` in the run's precision, backward of
@@ -225,7 +227,7 @@ class TrainingRun:
             if batch.synced and self._forward_calls == calls and isinstance(model, DistributedDataParallel):
                 raise skipped_model_error(type(loop).training_step, loop.state, batch.index)
             loop.recipe.backward(loss if batch.scale == 1.0 else loss * batch.scale)
-        step.count(float(loss.detach()), batch_length(data) * batch.weight, seconds)  # padding: 0 items
+        step.count(loss, batch_length(data) * batch.weight, seconds)  # padding: 0 items; no read of the loss
 
     def _progress(self, bar: tqdm[Any] | None, driver: StepDriver, start: int, position: int, num_epochs: int
                   ) -> tqdm[Any] | None:  # fmt: skip
@@ -246,7 +248,9 @@ class TrainingRun:
         """The optimizer step of ``step``, then ``on_batch_end``, SLURM's signals and a checkpoint every
         ``checkpoint_every`` steps."""
         loop, state, recipe = self.loop, self.loop.state, self.loop.recipe
-        metrics = {"lr": recipe.learning_rate(loop.optimizer)} if recipe.scheduler is not None else {}
+        metrics: dict[str, float | torch.Tensor] = {}
+        if recipe.scheduler is not None:
+            metrics["lr"] = recipe.learning_rate(loop.optimizer)
         outcome = recipe.optimizer_step(loop.optimizer, loop.model.parameters())
         loop.optimizer.zero_grad(set_to_none=True)
         metrics.update(step.metrics)
@@ -267,16 +271,22 @@ class TrainingRun:
         every = self.loop.checkpoint_every
         return bool(every and self.loop.checkpoint_dir is not None and self.loop.state.global_step % every == 0)
 
-    def _end_epoch(self, loss: float, num_epochs: int, driver: StepDriver) -> None:
-        """The epoch's train loss, validation, schedule and line, ``on_epoch_end``, then its checkpoint."""
+    def _end_epoch(self, totals: EpochTotals, seconds: float, num_epochs: int, driver: StepDriver) -> None:
+        """The epoch's train loss, throughput and peak memory (``totals`` of its ``seconds`` of training),
+        validation, schedule and line, ``on_epoch_end``, then its checkpoint."""
         loop, state = self.loop, self.loop.state
-        state.history["train_loss"].append(loss)
+        speed = totals.items / seconds if seconds > 0 else float("nan")
+        state.history["train_loss"].append(totals.loss)
         metrics = loop.evaluate(loop.validation_loader) if loop.validation_loader is not None else {}
         for name, value in metrics.items():
             state.history[f"validation_{name}"].append(value)
+        state.history["items_per_second"].append(speed)
+        state.history["peak_memory_mib"].append(max(totals.peak_memory, default=0) / 2**20)
         self._end_epoch_recipe()
         if driver.leader:
-            line = driver.prefix + epoch_line(state.epoch, num_epochs, loss, metrics, loop.step_times, driver.timed)
+            line = driver.prefix + epoch_line(
+                state.epoch, num_epochs, totals.loss, metrics, loop.step_times, driver.timed, speed, totals.peak_memory
+            )
             tqdm.write(f"{line}\n", end="")  # one write: other groups' lines may share the stream
             log.info(line)
         loop.callbacks_handler.execute("on_epoch_end")

@@ -15,6 +15,7 @@ import logging
 import os
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, overload
@@ -29,13 +30,46 @@ from ddpkit.training._steps import TrainingEpochs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunField", "RunState", "TrainState"]
+__all__ = ["RunField", "RunState", "StepMetrics", "TrainState"]
 
 T = TypeVar("T")
 
 
 def _sums() -> torch.Tensor:
     return torch.zeros(2, dtype=torch.float64)
+
+
+def _plus(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b`` on the device of whichever is not on the CPU (a copy to it does not wait for the device)."""
+    if a.device != b.device:
+        a, b = (
+            (a.to(b.device, non_blocking=True), b) if a.device.type == "cpu" else (a, b.to(a.device, non_blocking=True))
+        )
+    return a + b
+
+
+class StepMetrics(Mapping[str, float]):
+    """What the last optimizer step measured besides its loss, as floats (``TrainLoop.step_metrics``). A value the
+    step computed on the device (the gradients' norm) stays there until it is read: the step itself never waits
+    for the device, and a callback or logger that reads a value reads it once (it is kept)."""
+
+    def __init__(self, values: Mapping[str, float | torch.Tensor] | None = None) -> None:
+        self._values: dict[str, float | torch.Tensor] = dict(values or {})
+
+    def __getitem__(self, name: str) -> float:
+        value = self._values[name]
+        if isinstance(value, torch.Tensor):
+            value = self._values[name] = float(value)  # the one read of it
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 @dataclass
@@ -78,7 +112,7 @@ class RunState:
     step_loss: torch.Tensor = field(default_factory=_sums)
     history: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     should_stop: bool = False
-    step_metrics: dict[str, float] = field(default_factory=dict)
+    step_metrics: StepMetrics = field(default_factory=StepMetrics)
     skipped_steps: int = 0
     failed_steps: int = 0
     dealt_again: int = 0
@@ -91,21 +125,22 @@ class RunState:
             self.resumed_sums = _sums()
         return position
 
-    def count_step(self, sums: torch.Tensor, taken: bool = True, **metrics: float) -> None:
+    def count_step(self, sums: torch.Tensor, taken: bool = True, **metrics: float | torch.Tensor) -> None:
         """Count an optimizer step (``taken``: not skipped by fp16's scaler) whose loss sum and sample count on
-        this rank were ``sums`` (``(2,)`` float64): :attr:`step_loss` becomes them, :attr:`step_metrics`
-        ``metrics``."""
+        this rank were ``sums`` (``(2,)`` float64, on the device: nothing is read): :attr:`step_loss` becomes
+        them, :attr:`step_metrics` ``metrics`` (a tensor among them is read when a callback asks for it)."""
         self.global_step += 1
         self.skipped_steps += not taken
-        self.step_metrics = metrics
+        self.step_metrics = StepMetrics(metrics)
         self.step_loss = sums
-        self.epoch_sums = self.epoch_sums + sums
+        self.epoch_sums = _plus(self.epoch_sums, sums)
 
     def epoch_loss(self, sums: torch.Tensor) -> float:
         """The epoch's train loss from ``sums``, every process's loss sum and sample count in the steps since
-        the epoch began or resumed (with what came before, :attr:`resumed_sums`); nan without samples."""
-        total = sums + self.resumed_sums
-        return float(total[0] / total[1]) if float(total[1]) else float("nan")
+        the epoch began or resumed (with what came before, :attr:`resumed_sums`); nan without samples (one read
+        of the device, at the epoch's end)."""
+        total = (sums.double().cpu() + self.resumed_sums.cpu()).tolist()
+        return total[0] / total[1] if total[1] else float("nan")
 
 
 class HasRunState(Protocol):

@@ -1,0 +1,69 @@
+"""A TrainLoop step on 2 ranks (DDP, FSDP) never reads a tensor back to the host; each rank's peak memory on the
+epoch line.
+
+Here, the tests that run on the ranks of the session pool; the others are in tests/unit/test_host_reads.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import resource
+from typing import Any
+
+import pytest
+
+from ddpkit import Callback
+from ddpkit.testing import run_parallel
+from tests.builders import digits_loop
+from tests.support.host_reads import FULL, sgd_digits_reads, sharded_reads
+
+
+@pytest.mark.parametrize("options", [{}, FULL, {"global_batch_size": 64, **FULL}], ids=["plain", "full", "global"])
+def test_ddp_on_two_ranks_reads_nothing_between_steps(options: dict[str, Any]) -> None:
+    for per_step, reads in run_parallel(sgd_digits_reads, 16, 1, 2, 20, world_size=2, timeout=120, **options):
+        assert per_step == 0.0, reads
+
+
+def test_fsdp_on_two_ranks_reads_nothing_between_steps() -> None:
+    """The sharded stack (a global batch of 24 in batches of 4: 3 steps of 2 micro-batches per rank), with clipping,
+    bf16 and a per-step schedule."""
+    for per_step, reads in run_parallel(sharded_reads, 2, 6, world_size=2, timeout=120, **FULL):
+        assert per_step == 0.0, reads
+
+
+class _PeakRSS(Callback):
+    def on_epoch_begin(self, train_loop: Any) -> None:
+        self.before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def on_epoch_end(self, train_loop: Any) -> None:
+        self.after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peaks_and_line() -> tuple[int, int, str | None]:
+    """This rank's peak RSS before and after the epoch, and the epoch line rank 0 logged."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("ddpkit.training._run")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        peaks = _PeakRSS()
+        digits_loop(16).fit(1, callbacks=[peaks])
+    finally:
+        logger.removeHandler(handler)
+    return peaks.before, peaks.after, next((line for line in lines if line.startswith("epoch")), None)
+
+
+def test_the_epoch_line_names_each_ranks_peak_memory_and_the_rank_that_holds_most() -> None:
+    """Each rank's peak (its resident set size at most, on the CPU) lies between what that rank measured itself
+    before and after the epoch."""
+    (before0, after0, line), (before1, after1, other) = run_parallel(_peaks_and_line, world_size=2, timeout=120)
+    assert other is None, "rank 0 alone writes the line"
+    found = re.search(r"  \d+ items/s  peak memory (\d+)(?:-(\d+))? MiB/rank(?: \(most: rank (\d)\))?", line or "")
+    assert found is not None, line
+    low, high, most = int(found[1]), int(found[2] or found[1]), int(found[3] or 0)
+    mine = {0: high if most == 0 else low, 1: high if most == 1 else low}
+    assert round(before0 / 2**20) <= mine[0] <= round(after0 / 2**20), line
+    assert round(before1 / 2**20) <= mine[1] <= round(after1 / 2**20), line

@@ -1,0 +1,97 @@
+"""A TrainLoop step never reads a tensor back to the host, and the epoch line's throughput and peak memory.
+
+Here, the tests in one process; those on 2 ranks (DDP, FSDP) are in tests/ranks/test_host_reads.py. How reads are
+counted: tests/support/host_reads.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from ddpkit import Callback
+from tests.builders import digits_loop
+from tests.support.host_reads import FULL, HostReads, sgd_digits_reads
+
+
+def test_the_counter_sees_what_a_hand_written_step_reads() -> None:
+    """The counter tells a step that reads its loss (``float(loss)``, as ddpkit's did) from one that does not."""
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with HostReads() as reading:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        float(loss.detach())
+        bool(torch.isfinite(loss))
+    with HostReads() as quiet:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert sum(reading.reads.values()) == 2, reading.reads
+    assert sum(quiet.reads.values()) == 0, quiet.reads
+
+
+@pytest.mark.parametrize("options", [{}, FULL, {"global_batch_size": 64, **FULL}], ids=["plain", "full", "global"])
+def test_one_process_reads_nothing_between_steps(options: dict[str, Any]) -> None:
+    per_step, reads = sgd_digits_reads(32, 1, 2, 20, **options)
+    assert per_step == 0.0, reads
+
+
+def test_fp16s_scaler_reads_once_a_step_its_own_check() -> None:
+    """``GradScaler.step`` reads whether it found an inf or nan (one read per step, torch's); ddpkit reads no more
+    (whether the step was taken comes from the optimizer's step hook, not from the scale)."""
+    per_step, reads = sgd_digits_reads(32, 1, 2, 20, precision="16-mixed", gradient_clip_norm=0.3)
+    assert per_step == 1.0, reads
+
+
+def test_a_callback_that_asks_for_the_norm_or_loss_reads_them_once_each() -> None:
+    """The norm and the loss stay on the device until a callback reads them; each read is counted, once."""
+
+    class Asks(Callback):
+        def on_batch_end(self, train_loop: Any) -> None:
+            train_loop.step_metrics["grad_norm"], train_loop.step_metrics["grad_norm"]  # read once, kept
+            float(train_loop.step_loss[0])
+
+    per_step, reads = sgd_digits_reads(32, 1, 2, 20, callbacks=[Asks()], gradient_clip_norm=0.3)
+    assert per_step == 2.0, reads
+
+
+class _Measures(Callback):
+    """The epoch's training time and items as a callback sees them, and the process's peak RSS around it."""
+
+    def __init__(self) -> None:
+        self.began = self.trained = 0.0
+        self.items = 0
+        self.rss: list[tuple[int, int]] = []
+
+    def on_epoch_begin(self, train_loop: Any) -> None:
+        self.began, self.before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        self.trained = time.perf_counter()
+        self.items += int(train_loop.step_loss[1])
+
+    def on_epoch_end(self, train_loop: Any) -> None:
+        self.rss.append((self.before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+
+
+def test_the_epoch_line_gives_items_per_second_and_peak_memory_as_measured_apart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    measures = _Measures()
+    loop = digits_loop(16)
+    with caplog.at_level(logging.INFO, logger="ddpkit.training._run"):
+        loop.fit(1, callbacks=[measures])
+    speed, memory = loop.history["items_per_second"][0], loop.history["peak_memory_mib"][0]
+    assert measures.items == len(loop.train_loader.dataset)
+    measured = measures.items / (measures.trained - measures.began)
+    assert 0.8 < speed / measured < 1.25, (speed, measured)
+    before, after = measures.rss[0]
+    assert before / 2**20 <= memory <= after / 2**20
+    line = next(record.message for record in caplog.records if record.message.startswith("epoch  1/1"))
+    assert f"  {speed:.0f} items/s  peak memory {round(memory)} MiB" in line, line
