@@ -75,12 +75,16 @@ def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
     """
     target = device if isinstance(device, torch.device) else torch.device(device)
     non_blocking = target.type == "cuda"
-    if isinstance(batch, torch.Tensor):  # the common case, without the walk through containers
+    if isinstance(batch, torch.Tensor):  # the common cases, without the walk through containers
         return batch if batch.device == target else batch.to(target, non_blocking=non_blocking)
+    if type(batch) in (tuple, list) and all(type(t) is torch.Tensor and t.device == target for t in batch):
+        return batch if type(batch) is tuple else list(batch)  # (inputs, targets) already there
     return map_tensors(batch, lambda t: t if t.device == target else t.to(target, non_blocking=non_blocking))
 
 
 def batch_length(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor (1 for a 0-d tensor or no tensor at all)."""
+    if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor:  # (inputs, targets)
+        return int(batch[0].shape[0]) if batch[0].dim() else 1
     first = next(iter_tensors(batch), None)
     return int(first.shape[0]) if first is not None and first.dim() else 1

@@ -62,13 +62,16 @@ class Step:
         is read back to the host), loaded and run in ``seconds``."""
         if self._sums is None:
             self._sums = torch.zeros(2, dtype=torch.float64, device=mean_loss.device)
-        self._sums[0].add_(mean_loss.detach().to(torch.float64), alpha=items)
-        self._sums[1].add_(items)
+            self._views = self._sums.unbind()
+        self._views[0].add_(mean_loss.detach(), alpha=items)  # in float64
+        self._views[1].add_(items)
         self.busy, self.trained = self.busy + seconds, self.trained + 1
 
     def take_counts(self, other: Step) -> None:
         """Count what ``other`` counted as this step's (a rank's last batches, trained in the step before)."""
         self._sums = other._sums
+        if other._sums is not None:
+            self._views = other._views
 
     @property
     def sums(self) -> torch.Tensor:

@@ -41,11 +41,11 @@ def _sums() -> torch.Tensor:
 
 def _plus(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a + b`` on the device of whichever is not on the CPU (a copy to it does not wait for the device)."""
-    if a.device != b.device:
-        a, b = (
-            (a.to(b.device, non_blocking=True), b) if a.device.type == "cpu" else (a, b.to(a.device, non_blocking=True))
-        )
-    return a + b
+    if a.device == b.device:
+        return a + b
+    if a.device.type == "cpu":
+        return a.to(b.device, non_blocking=True) + b
+    return a + b.to(a.device, non_blocking=True)
 
 
 class StepMetrics(Mapping[str, float]):
