@@ -331,7 +331,7 @@ def test_a_quorum_store_that_no_member_vouches_for_is_refused_before_anything_is
 
     ids = ["group-0:a1", "group-1:b2"]
     ours = _owned_store("group-0:a1")
-    check_store_owner(f"127.0.0.1:{ours.port}/torchft/3/0", ids, b"job", 3.0)  # a member's: taken
+    check_store_owner(f"127.0.0.1:{ours.port}/torchft/3/0", ids, b"job", 10.0)  # a member's: taken
     strangers = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cases = [
         (strangers, "it says nothing of its owner"),
@@ -344,7 +344,7 @@ def test_a_quorum_store_that_no_member_vouches_for_is_refused_before_anything_is
     for store, why in cases:
         with pytest.raises(GroupProofError, match=rf"the quorum's store at 127\.0\.0\.1:{store.port}, which torchft's "
                            rf"lighthouse named, .*: {why}"):  # fmt: skip
-            check_store_owner(f"127.0.0.1:{store.port}/torchft/3/0", ids, b"job", 3.0)
+            check_store_owner(f"127.0.0.1:{store.port}/torchft/3/0", ids, b"job", 10.0)
         assert sorted(store.list_keys()) in ([], ["ddpkit/store-owner"])
 
 

@@ -46,7 +46,8 @@ def test_a_single_process_group_listens_on_loopback_only() -> None:
         assert [socket for socket in exposed if socket not in listening_before] == []
     finally:
         destroy_dist_connection()
-    assert listening_sockets([os.getpid()]) == listening_before, "the store closes with the group"
+    left = [socket for socket in listening_sockets([os.getpid()]) if socket not in listening_before]
+    assert left == [], "the store closes with the group"  # (an earlier test's store may have closed meanwhile)
 
 
 def test_a_port_held_by_another_program_is_named_with_the_fix() -> None:

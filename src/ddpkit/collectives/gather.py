@@ -23,7 +23,7 @@ from ddpkit.collectives._transport import (
 from ddpkit.errors import CollectiveMismatchError
 from ddpkit.process_group import collective_device, get_rank, is_distributed
 
-__all__ = ["AllGatherGrad", "all_gather_ddp_if_available", "describe_tensor", "gather_all_tensors"]
+__all__ = ["AllGatherGrad", "all_gather_ddp_if_available", "describe_tensor", "gather_all_tensors", "gather_tensors"]
 
 
 def describe_tensor(header: Header) -> str:
@@ -61,7 +61,19 @@ def gather_all_tensors(result: torch.Tensor, group: dist.ProcessGroup | None = N
     return _gather(result, group, "gather_all_tensors", same_shape=False)
 
 
-def _gather(result: Any, group: dist.ProcessGroup | None, what: str, same_shape: bool) -> list[torch.Tensor]:
+def gather_tensors(
+    result: Any, group: dist.ProcessGroup | None, what: str, same_shape: bool, check: Any = None
+) -> list[torch.Tensor]:
+    """:func:`gather_all_tensors` for ``what`` (the caller's name in messages): every rank's tensor, in rank order.
+    ``check`` (default: the dtype, and the shape with ``same_shape`` or else the number of dimensions) gets every
+    rank's header when the fast ending could not take the call; it is not called when every rank sent a small
+    tensor of this one's dtype and number of dimensions (``same_shape``: and shape)."""
+    return _gather(result, group, what, same_shape, check)
+
+
+def _gather(
+    result: Any, group: dist.ProcessGroup | None, what: str, same_shape: bool, given_check: Any = None
+) -> list[torch.Tensor]:
     header: Header | None = None  # the dict form, built only when the fast path below cannot take this call
     if isinstance(result, torch.Tensor) and result.layout == torch.strided:
         payload: torch.Tensor | None = result
@@ -84,6 +96,8 @@ def _gather(result: Any, group: dist.ProcessGroup | None, what: str, same_shape:
                     + "; ".join(f"rank {r}: {describe_tensor(h)}" for r, h in enumerate(headers))
                 )
 
+    if given_check is not None:
+        check = given_check
     info = GroupInfo.of(group)
     if info.alone or head is None:
         if header is None:

@@ -11,8 +11,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpkit.collectives.values import Gathered, Value, gather_values
-from ddpkit.errors import WarningDDP
+from ddpkit.collectives._codec import dtype_name
+from ddpkit.collectives._transport import Header
+from ddpkit.collectives.gather import gather_tensors
+from ddpkit.collectives.values import Gathered, Value, gather_values, header_text
+from ddpkit.errors import CollectiveMismatchError, WarningDDP
 from ddpkit.process_group import get_world_size, is_distributed
 
 __all__ = ["merge_list_of_dicts", "mp_sync", "mp_sync_dict", "sync_dicts_ddp"]
@@ -63,8 +66,27 @@ def mp_sync(
     except TypeError as exc:
         gather_values("mp_sync", exc, group)
         raise  # not reached: gather_values raised it on every rank
+    if value.source == "tensor" and value.data.layout == torch.strided and is_distributed():  # type: ignore[union-attr]
+        # A tensor alone: the gathers' own exchange, whose small tensors end after one collective. Its first
+        # collective is the same as the general one's, so a rank that passed another kind makes both raise.
+        tensors = gather_tensors(value.data, group, "mp_sync", False, _tensor_check)
+        _tensor_check([{"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for t in tensors])  # the fast ending's
+        return torch.cat(tensors) if concat_mp_data else [t.clone() for t in tensors]
     gathered = gather_values("mp_sync", {None: value}, group)
     return _combine(value, gathered, None, concat_mp_data, return_tensor)
+
+
+def _tensor_check(headers: list[Header]) -> None:
+    """``mp_sync`` of tensors: every rank's a tensor of one dtype and the same dimensions but the first."""
+    if all("keys" not in h for h in headers):
+        first = headers[0]
+        if all(h["dtype"] == first["dtype"] and len(h["shape"]) == len(first["shape"]) and h["shape"][1:] ==
+               first["shape"][1:] for h in headers):  # fmt: skip
+            return
+    raise CollectiveMismatchError(
+        "mp_sync: ranks passed incompatible values (kind, dtype and all but the first dimension must match): "
+        + "; ".join(f"rank {r}: {header_text(h)}" for r, h in enumerate(headers))
+    )
 
 
 def mp_sync_dict(dict_data: dict[Any, Any], group: dist.ProcessGroup | None = None) -> dict[Any, Any]:

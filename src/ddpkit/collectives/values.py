@@ -311,8 +311,21 @@ def _fill_own_parts(
 # --- checking and decoding ------------------------------------------------------------------------
 
 
+def header_text(header: Header) -> str:
+    """What a rank passed, from its header: a value's (:meth:`KeyMeta.text`), or a tensor's sent alone by a
+    gather's fast path (``mp_sync`` of a tensor), in the same words."""
+    if "keys" not in header:
+        return f"tensor (tensor) {header['dtype']} {tuple(header['shape'])}"
+    return "; ".join(KeyMeta.from_wire(value).text() for value in header["values"])
+
+
 def _check(what: str, headers: list[Header]) -> None:
     first = headers[0]
+    if any("keys" not in h for h in headers):  # a rank sent a tensor alone (mp_sync's fast path), another not
+        raise CollectiveMismatchError(
+            f"{what}: ranks passed incompatible values (kind, dtype and all but the first dimension must match): "
+            + "; ".join(f"rank {r}: {header_text(h)}" for r, h in enumerate(headers))
+        )
     if any(h["keys"] != first["keys"] for h in headers):
         raise CollectiveMismatchError(
             f"{what}: ranks passed different keys: "
