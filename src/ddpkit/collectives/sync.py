@@ -66,11 +66,14 @@ def mp_sync(
     except TypeError as exc:
         gather_values("mp_sync", exc, group)
         raise  # not reached: gather_values raised it on every rank
-    if value.source == "tensor" and value.data.layout == torch.strided and is_distributed():  # type: ignore[union-attr]
+    data_tensor = value.data if value.source == "tensor" and isinstance(value.data, torch.Tensor) else None
+    if data_tensor is not None and data_tensor.layout == torch.strided and is_distributed():
         # A tensor alone: the gathers' own exchange, whose small tensors end after one collective. Its first
         # collective is the same as the general one's, so a rank that passed another kind makes both raise.
-        tensors = gather_tensors(value.data, group, "mp_sync", False, _tensor_check)
-        _tensor_check([{"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for t in tensors])  # the fast ending's
+        tensors = gather_tensors(data_tensor, group, "mp_sync", False, _tensor_check)
+        trailing = data_tensor.shape[1:]  # the fast ending checked the dtypes and numbers of dimensions
+        if any(t.shape[1:] != trailing for t in tensors):
+            _tensor_check([{"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for t in tensors])
         return torch.cat(tensors) if concat_mp_data else [t.clone() for t in tensors]
     gathered = gather_values("mp_sync", {None: value}, group)
     return _combine(value, gathered, None, concat_mp_data, return_tensor)
