@@ -149,7 +149,7 @@ class TrainLoop:
     epoch = RunField[int]()
     #: Optimizer steps taken in all.
     global_step = RunField[int]()
-    #: Per-epoch numbers: ``train_loss``, ``validation_<metric>``, ``items_per_second`` (over every rank) and
+    #: Per-epoch numbers, ``train_loss``, ``validation_<metric>``, ``items_per_second`` (over every rank) and
     #: ``peak_memory_mib`` (the most any rank held).
     history = RunField[dict[str, list[float]]]()
     #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``), on the
