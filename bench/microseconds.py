@@ -2,7 +2,7 @@
 hand-written loop, and each public collective against the raw torch call of the same bytes, with tiny inputs.
 
     python bench/microseconds.py [--nprocs 1,2] [--rounds 21] [--calls 200] [--collective-rounds 61]
-                                 [--collective-calls 40] [--device cpu|cuda]
+                                 [--collective-calls 40] [--device cpu|cuda] [--only NAME]
 
 1 and then 2 gloo ranks on loopback (``--nprocs``; ``--device cuda``: NCCL, one rank per GPU). Each step workload
 runs ``--calls`` steps of ours and of the raw twin in alternating rounds (the order flips each round; a barrier
@@ -12,7 +12,8 @@ calls, the 2-rank gather's ratio varied from 1.15 to 1.45 between runs of the sa
 round's time per call is the slowest rank's. Printed
 per workload: the medians over the rounds of the time per call, ``+us`` (ours minus raw) and the median of the
 paired ratios. The targets are those of ddpkit's fixed-cost goals: on one rank the ``DDPPlugin`` step at most
-1.01x raw DDP and the scalar mean at most 1.10x a raw ``all_reduce``; on two ranks the small uneven gather at
+1.01x raw DDP and the scalar mean at most 1.10x a raw ``all_reduce``; on two ranks a ``TrainLoop`` step at most
+1.05x the hand-written loop, the scalar mean at most 1.10x, ``mp_sync`` of a tensor and the small uneven gather at
 most 1.3x (``MISSED`` when a median is above its target).
 
 The model is a 32-32-4 MLP with batches of 8 (a step of well under a millisecond on a CPU, so that per-step
@@ -41,7 +42,15 @@ from ddpkit.process_group import collective_device, rank_device
 Workload = tuple[str, Callable[[], Any], Callable[[], Any], float | None, int]  # name, ours, raw, target, calls
 
 #: The targets (ours / raw, medians) by world size and workload.
-TARGETS = {1: {"DDPPlugin step": 1.01, "sync_ddp scalar mean": 1.10}, 2: {"gather_all_tensors uneven (1|3, 8)": 1.3}}
+TARGETS = {
+    1: {"DDPPlugin step": 1.01, "sync_ddp scalar mean": 1.10},
+    2: {
+        "TrainLoop step (one epoch)": 1.05,
+        "sync_ddp scalar mean": 1.10,
+        "gather_all_tensors uneven (1|3, 8)": 1.3,
+        "mp_sync (4, 8)": 1.3,
+    },
+}
 
 
 def _mlp() -> nn.Module:
@@ -170,13 +179,16 @@ def _timed(fn: Callable[[], Any], calls: int) -> float:
     return float(elapsed)
 
 
-def measure(rounds: int, calls: int, collective_rounds: int, collective_calls: int, device_type: str
+def measure(rounds: int, calls: int, collective_rounds: int, collective_calls: int, device_type: str, only: str = ""
             ) -> list[tuple[str, float, float, float, float | None]]:  # fmt: skip
-    """Per workload: median seconds per call of ours and raw, the median paired ratio, the target."""
+    """Per workload (those whose name contains ``only``): median seconds per call of ours and raw, the median
+    paired ratio, the target."""
     device = rank_device() if device_type == "cuda" else torch.device("cpu")
     targets = TARGETS.get(dist.get_world_size(), {})
     rows = []
     for name, ours, raw, _, own_calls in [*_step_workloads(device, calls), *_collective_workloads(device)]:
+        if only not in name:
+            continue
         per_run = own_calls or collective_calls  # calls inside one run of the workload
         repeat = 0 if own_calls else collective_calls
         for fn in (ours, raw):  # warm up
@@ -199,13 +211,14 @@ def main() -> None:
     parser.add_argument("--collective-rounds", type=int, default=61)
     parser.add_argument("--collective-calls", type=int, default=40, help="collective calls a round (default 40)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--only", default="", help="measure the workloads whose name contains this (default: all)")
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
     for number, nprocs in enumerate(int(n) for n in args.nprocs.split(",")):
         if args.device == "cuda":
             nprocs = min(nprocs, torch.cuda.device_count())
         rows = ddpkit.launch(measure, args.rounds, args.calls, args.collective_rounds, args.collective_calls,
-                             args.device, nprocs=nprocs, backend=backend)[0]  # fmt: skip
+                             args.device, args.only, nprocs=nprocs, backend=backend)[0]  # fmt: skip
         print(f"{chr(10) if number else ''}{nprocs} {backend} rank(s); alternating rounds: steps {args.rounds} x "
               f"{args.calls}, collectives {args.collective_rounds} x {args.collective_calls}; torch "
               f"{torch.__version__}")  # fmt: skip

@@ -85,6 +85,7 @@ def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
 def batch_length(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor (1 for a 0-d tensor or no tensor at all)."""
     if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor:  # (inputs, targets)
-        return int(batch[0].shape[0]) if batch[0].dim() else 1
+        shape = batch[0].shape
+        return int(shape[0]) if shape else 1
     first = next(iter_tensors(batch), None)
     return int(first.shape[0]) if first is not None and first.dim() else 1

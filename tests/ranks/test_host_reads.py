@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import resource
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +23,39 @@ from tests.support.host_reads import FULL, sgd_digits_reads, sharded_reads
 @pytest.mark.parametrize("options", [{}, FULL, {"global_batch_size": 64, **FULL}], ids=["plain", "full", "global"])
 def test_ddp_on_two_ranks_reads_nothing_between_steps(options: dict[str, Any]) -> None:
     for per_step, reads in run_parallel(sgd_digits_reads, 16, 1, 2, 20, world_size=2, timeout=120, **options):
+        assert per_step == 0.0, reads
+
+
+class _Watching(Callback):
+    def on_batch_end(self, train_loop: Any) -> None:
+        self.active = train_loop.preemption.active
+
+
+def _slurm_task_reads(directory: str) -> tuple[float, dict[str, int], bool]:
+    """Reads per step of a TrainLoop with a checkpoint_dir in a SLURM task (SLURM's signals watched), and whether
+    it watched them."""
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    task = {"SLURM_JOB_ID": "41", "SLURM_JOB_NAME": "digits", "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost"}  # fmt: skip
+    saved = {name: os.environ.get(name) for name in task}
+    os.environ.update(task)
+    try:
+        watching = _Watching()
+        per_step, reads = sgd_digits_reads(16, 1, 2, 20, [watching], checkpoint_dir=directory, checkpoint_every=1000)
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    return per_step, reads, watching.active
+
+
+def test_a_slurm_task_agrees_on_signals_without_reading_between_steps(tmp_path: Path) -> None:
+    """SLURM's signals are agreed on every step (an all-reduce of a CPU flag, waited for a step later)."""
+    for per_step, reads, watching in run_parallel(_slurm_task_reads, str(tmp_path), world_size=2, timeout=120):
+        assert watching, "the loop watched SLURM's signals"
         assert per_step == 0.0, reads
 
 

@@ -11,15 +11,20 @@ from ddpkit.testing import run_parallel
 from ddpkit.training._preemption import PreemptionHandler
 
 
-def _agree(received: list[int]) -> int:
+def _agree(received: list[int]) -> list[int]:
     import torch.distributed as dist
 
     handler = PreemptionHandler()
-    handler.active, handler.received = True, received[dist.get_rank()]
-    return handler.agreed_signal()
+    handler.active = True
+    said = [handler.agreed_signal()]  # nothing received before
+    handler.received = received[dist.get_rank()]
+    said += [handler.agreed_signal(), handler.agreed_signal(), handler.agreed_signal()]
+    return said
 
 
-def test_every_rank_learns_of_a_signal_that_one_rank_received() -> None:
+def test_every_rank_learns_of_a_signal_that_one_rank_received_one_step_later() -> None:
+    """The step that sees the signal all-reduces it in the background; the next step acts on it (so that no step
+    waits for the reduction), on every rank alike."""
     usr1 = int(signal.SIGUSR1)
-    assert run_parallel(_agree, [0, usr1], world_size=2) == [usr1, usr1]
-    assert run_parallel(_agree, [0, 0], world_size=2) == [0, 0]
+    assert run_parallel(_agree, [0, usr1], world_size=2) == [[0, 0, usr1, usr1]] * 2
+    assert run_parallel(_agree, [0, 0], world_size=2) == [[0, 0, 0, 0]] * 2

@@ -117,7 +117,7 @@ class _ShardStep(Step):
         for the rank's last batches when a final step finishes them (:class:`_FinalStep`)."""
         if not self.position:
             return None
-        return CommittedStep(self.position, self.sums, self.run.loop.preemption.agreed_signal())
+        return CommittedStep(self.position, self.counted, self.run.loop.preemption.agreed_signal())
 
 
 class _FinalStep(Step):
@@ -134,7 +134,7 @@ class _FinalStep(Step):
 
     def commit(self) -> CommittedStep:
         average_gradients(self.run.loop.model.parameters())
-        return CommittedStep(self.plan.end_position(), self.sums, self.run.loop.preemption.agreed_signal())
+        return CommittedStep(self.plan.end_position(), self.counted, self.run.loop.preemption.agreed_signal())
 
 
 class _FinalStepTogether(Step):
@@ -162,4 +162,4 @@ class _FinalStepTogether(Step):
 
     def commit(self) -> CommittedStep:
         """The last batch's backward reduced the gradients; the ranks agree on SLURM's signals."""
-        return CommittedStep(self.plan.end_position(), self.sums, self.run.loop.preemption.agreed_signal())
+        return CommittedStep(self.plan.end_position(), self.counted, self.run.loop.preemption.agreed_signal())

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Batch", "CommittedStep", "EpochTotals", "Step", "StepDriver", "peak_memory"]
+__all__ = ["Batch", "CommittedStep", "EpochTotals", "LossSums", "Step", "StepDriver", "peak_memory"]
 
 
 @dataclass
@@ -40,11 +40,50 @@ class Batch:
     index: int = 0
 
 
+class LossSums:
+    """One rank's loss sum and item count in an optimizer step, kept as its batches' mean losses (tensors left on
+    their device) and item counts, and summed only when asked for: counting a batch runs no tensor operation."""
+
+    __slots__ = ("_tensor", "items", "losses")
+
+    def __init__(self) -> None:
+        #: ``(mean loss, items)`` of each counted batch (the loss detached, on its device).
+        self.losses: list[tuple[torch.Tensor, float]] = []
+        #: Items counted, in all.
+        self.items = 0.0
+        self._tensor: torch.Tensor | None = None
+
+    def add(self, mean_loss: torch.Tensor, items: float) -> None:
+        """Count a batch of ``items`` items whose mean loss was ``mean_loss``."""
+        self.losses.append((mean_loss.detach(), items))
+        self.items += items
+        self._tensor = None
+
+    def add_loss_to(self, total: torch.Tensor) -> None:
+        """Add the loss sum to ``total`` (a 0-d float64 tensor on the losses' device), in place: one tensor
+        operation a batch."""
+        for loss, items in self.losses:
+            total.add_(loss, alpha=items)
+
+    def tensor(self) -> torch.Tensor:
+        """``(2,)`` float64: the loss sum and the item count, on the losses' device (CPU without a batch); made
+        once, when first asked for (nothing is read back to the host)."""
+        if self._tensor is None:
+            if not self.losses:
+                self._tensor = torch.tensor([0.0, self.items], dtype=torch.float64)
+            else:
+                total = torch.zeros(2, dtype=torch.float64, device=self.losses[0][0].device)
+                self.add_loss_to(total[0])
+                total[1].fill_(self.items)  # a kernel with the number as its argument: no copy, no wait
+                self._tensor = total
+        return self._tensor
+
+
 class Step:
     """One optimizer step in the making: the batches a driver hands the runner, then its commit.
 
     The runner trains every batch :meth:`batches` yields (``TrainingRun.train_batch``), counting each into
-    :attr:`sums`, :attr:`busy` and :attr:`trained`, then calls :meth:`commit`. A driver that deals the step
+    :attr:`counted`, :attr:`busy` and :attr:`trained`, then calls :meth:`commit`. A driver that deals the step
     again (another quorum) calls :meth:`restart` before yielding the new batches.
     """
 
@@ -53,31 +92,26 @@ class Step:
 
     def restart(self) -> None:
         """Forget what was counted."""
-        self._sums: torch.Tensor | None = None  # (2,) float64 on the loss's device, once a batch was counted
+        #: The loss sums of its batches on this rank.
+        self.counted = LossSums()
         #: Seconds of loading and forward of its batches (before the step's all-reduce), and their number.
         self.busy, self.trained = 0.0, 0
 
     def count(self, mean_loss: torch.Tensor, items: float, seconds: float) -> None:
         """Count a batch of ``items`` items whose mean loss was ``mean_loss`` (a tensor, left on its device: nothing
         is read back to the host), loaded and run in ``seconds``."""
-        if self._sums is None:
-            self._sums = torch.zeros(2, dtype=torch.float64, device=mean_loss.device)
-            self._views = self._sums.unbind()
-        self._views[0].add_(mean_loss.detach(), alpha=items)  # in float64
-        self._views[1].add_(items)
+        self.counted.add(mean_loss, items)
         self.busy, self.trained = self.busy + seconds, self.trained + 1
 
     def take_counts(self, other: Step) -> None:
         """Count what ``other`` counted as this step's (a rank's last batches, trained in the step before)."""
-        self._sums = other._sums
-        if other._sums is not None:
-            self._views = other._views
+        self.counted = other.counted
 
     @property
     def sums(self) -> torch.Tensor:
         """``(2,)`` float64: this rank's loss sum and sample count in the step, on the device of its losses (CPU
         when it counted no batch)."""
-        return self._sums if self._sums is not None else torch.zeros(2, dtype=torch.float64)
+        return self.counted.tensor()
 
     def batches(self) -> Iterator[Batch]:
         """The step's batches on this rank."""
@@ -97,13 +131,13 @@ class CommittedStep:
 
     Attributes:
         position: entries of the epoch's global order done once this step is taken.
-        sums: ``(2,)`` float64: this rank's loss sum and item count in the step.
+        sums: this rank's loss sum and item count in the step.
         signal: SLURM's signal that some process received (0: none), the same in every process.
         metrics: what the step measured besides its loss (``replica_groups``), for ``step_metrics``.
     """
 
     position: int
-    sums: torch.Tensor
+    sums: LossSums
     signal: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 

@@ -300,7 +300,7 @@ class FaultTolerantSteps:
         self._writing_group = index == 0
         self._writer = self._writing_group and self.rank == 0
         signal = loop.preemption.signal_of(mean_flags)
-        return CommittedStep(self.position, step.sums, signal, {"replica_groups": float(participants)})
+        return CommittedStep(self.position, step.counted, signal, {"replica_groups": float(participants)})
 
     def _check_same_weights(self, own: torch.Tensor, mean: torch.Tensor, step: int) -> None:
         """Raise when this group's weights are not the quorum's: ``own`` (this group's L1 norm and squared L2

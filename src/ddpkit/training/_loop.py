@@ -76,7 +76,7 @@ class TrainLoop:
             the batch's items and draws no random numbers (as dropout does).
         requeue: in a SLURM task with a ``checkpoint_dir``, SIGUSR1 (``#SBATCH
             --signal=USR1@90``) or SIGTERM (preemption, ``scancel``) makes every
-            rank save a checkpoint at the next optimizer step and stop with
+            rank save a checkpoint within two optimizer steps and stop with
             :class:`~ddpkit.training.Preempted`; with ``requeue=True`` (default
             ``False``) rank 0 first runs ``scontrol requeue $SLURM_JOB_ID``, and
             the requeued job resumes at the exact batch.

@@ -1,12 +1,13 @@
-"""Preemption and walltime on SLURM: checkpoint at the next step when the job is told to stop, then requeue.
+"""Preemption and walltime on SLURM: checkpoint within two steps when the job is told to stop, then requeue.
 
 SLURM warns a job before it ends it: ``#SBATCH --signal=USR1@90`` sends
 SIGUSR1 to every task 90 s before the walltime, ``scancel --signal=USR1 JOB``
 does so at once, and preemption or ``scancel`` send SIGTERM (then SIGKILL after
 ``KillWait``). In a SLURM task, a ``TrainLoop`` with a ``checkpoint_dir`` catches
-both while it trains: at the next optimizer step every rank learns that one of
-them was signalled (one small all-reduce per step), the state is saved, and the
-ranks stop with :class:`Preempted`. With ``requeue=True`` rank 0 first runs
+both while it trains: within two optimizer steps every rank learns that one of
+them was signalled (one small all-reduce of a CPU tensor per step, waited for a
+step later: the step never waits for it, nor for the GPU), the state is saved,
+and the ranks stop with :class:`Preempted`. With ``requeue=True`` rank 0 first runs
 ``scontrol requeue $SLURM_JOB_ID``: SLURM starts the job script again, and the
 ``TrainLoop`` resumes at the exact batch. Lightning's SLURM auto-requeue does
 the same on SIGUSR1 only and saves a checkpoint of its own kind.
@@ -25,11 +26,11 @@ from types import FrameType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddpkit._failures import StopWithoutRestart
-from ddpkit.collectives import sync_ddp
 from ddpkit.environments import detect_environment
-from ddpkit.process_group import get_rank
+from ddpkit.process_group import collective_device, get_rank, is_distributed
 
 __all__ = ["Preempted", "PreemptionHandler"]
 
@@ -67,6 +68,10 @@ class PreemptionHandler:
         self.requeue = requeue
         self.received = 0  # the signal number this process received, 0: none
         self.active = False
+        # The group the flags are all-reduced in (None: the default group, whose backend reduces CPU tensors), and
+        # the all-reduce of the last step's flag, not waited for yet.
+        self._group: dist.ProcessGroup | None = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # a TrainLoop travels to fit_distributed's workers
         return {"requeue": self.requeue, "received": 0, "active": False}
@@ -82,12 +87,13 @@ class PreemptionHandler:
         if not checkpointing or not slurm or threading.current_thread() is not threading.main_thread():
             yield
             return
+        self._group = _cpu_group()
         saved = {sig: signal.signal(sig, self._receive) for sig in PREEMPTION_SIGNALS}
-        self.received, self.active = 0, True
+        self.received, self.active, self._pending = 0, True, None
         try:
             yield
         finally:
-            self.active = False
+            self.active, self._pending = False, None  # every rank issued it; a rank that left never waits on it
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
 
@@ -95,10 +101,21 @@ class PreemptionHandler:
         self.received = signum
 
     def agreed_signal(self) -> int:
-        """The signal any rank received (0: none); every rank calls it at the same step."""
+        """The signal any rank had received when the previous call was made (0: none); every rank calls it at the
+        same step. This call's flag is all-reduced in the background (a CPU tensor: nothing waits for the
+        device) and its result is the next call's: the step before took long enough for it to arrive, so the
+        step does not wait (one process: its own signal, at once)."""
         if not self.active:
             return 0
-        return int(sync_ddp(torch.tensor(self.received, dtype=torch.int64), reduce_op="max").item())
+        if not is_distributed():
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        previous, self._pending = self._pending, (work, flag)
+        if previous is None:
+            return 0
+        previous[0].wait()
+        return int(previous[1].tolist()[0])  # a CPU tensor, reduced a step ago: no wait for any device
 
     def received_flags(self) -> torch.Tensor:
         """``(2,)`` float64: whether this process received SIGUSR1, SIGTERM (zeros when not watching). A
@@ -133,6 +150,20 @@ class PreemptionHandler:
             if self.requeue:
                 subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, text=True)
         raise Preempted(name, step, self.requeue)
+
+
+_cpu_groups: list[tuple[dist.ProcessGroup | None, dist.ProcessGroup]] = []  # (default group, its gloo twin), once made
+
+
+def _cpu_group() -> dist.ProcessGroup | None:
+    """A group of every rank that all-reduces CPU tensors: the default group when its backend does (gloo), else
+    a gloo group made once per default group (every rank calls it: making one is a collective)."""
+    if not is_distributed() or collective_device().type == "cpu":
+        return None
+    world = dist.group.WORLD
+    if not _cpu_groups or _cpu_groups[0][0] is not world:
+        _cpu_groups[:] = [(world, dist.new_group(backend="gloo"))]
+    return _cpu_groups[0][1]
 
 
 def _job_id() -> str:

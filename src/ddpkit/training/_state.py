@@ -26,6 +26,7 @@ from ddpkit.checkpoint import load_checkpoint, remove_unnamed_sharded, save_chec
 from ddpkit.errors import DDPKitError
 from ddpkit.hangs._watchdog import paused
 from ddpkit.process_group import get_rank, get_world_size, rank_zero_first
+from ddpkit.training._driver import LossSums
 from ddpkit.training._steps import TrainingEpochs
 
 log = logging.getLogger(__name__)
@@ -37,15 +38,6 @@ T = TypeVar("T")
 
 def _sums() -> torch.Tensor:
     return torch.zeros(2, dtype=torch.float64)
-
-
-def _plus(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a + b`` on the device of whichever is not on the CPU (a copy to it does not wait for the device)."""
-    if a.device == b.device:
-        return a + b
-    if a.device.type == "cpu":
-        return a.to(b.device, non_blocking=True) + b
-    return a + b.to(a.device, non_blocking=True)
 
 
 class StepMetrics(Mapping[str, float]):
@@ -107,33 +99,61 @@ class RunState:
     epoch: int = 0
     global_step: int = 0
     resume_position: int = 0
-    epoch_sums: torch.Tensor = field(default_factory=_sums)
     resumed_sums: torch.Tensor = field(default_factory=_sums)
-    step_loss: torch.Tensor = field(default_factory=_sums)
     history: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     should_stop: bool = False
     step_metrics: StepMetrics = field(default_factory=StepMetrics)
     skipped_steps: int = 0
     failed_steps: int = 0
     dealt_again: int = 0
+    # The epoch's loss sum (0-d float64 on the losses' device, None before a loss) and item count, and the last
+    # step's sums: epoch_sums and step_loss, made when asked for.
+    _epoch_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _epoch_items: float = field(default=0.0, init=False, repr=False)
+    _last_step: LossSums = field(default_factory=LossSums, init=False, repr=False)
+
+    @property
+    def epoch_sums(self) -> torch.Tensor:
+        """``(2,)`` float64: this rank's loss sum and sample count in the steps it took in the epoch since it
+        began or resumed, on the device of its losses (CPU before one)."""
+        sums = torch.zeros(2, dtype=torch.float64, device=None if self._epoch_loss is None else self._epoch_loss.device)
+        if self._epoch_loss is not None:
+            sums[0].copy_(self._epoch_loss)
+        sums[1].fill_(self._epoch_items)
+        return sums
+
+    @property
+    def step_loss(self) -> torch.Tensor:
+        """``(2,)`` float64: this rank's loss sum and sample count in the last optimizer step (zeros before one), on
+        the device of its losses: made when first asked for, nothing read back to the host."""
+        return self._last_step.tensor()
 
     def begin_epoch(self) -> int:
         """Start the epoch: the position it starts at (taken from :attr:`resume_position`, which becomes 0)."""
         position, self.resume_position = self.resume_position, 0
-        self.epoch_sums = _sums()
+        self.reset_epoch_sums()
         if not position:
             self.resumed_sums = _sums()
         return position
 
-    def count_step(self, sums: torch.Tensor, taken: bool = True, **metrics: float | torch.Tensor) -> None:
+    def reset_epoch_sums(self) -> None:
+        """Forget the epoch's loss sums (:attr:`epoch_sums` becomes zeros)."""
+        self._epoch_loss, self._epoch_items = None, 0.0
+
+    def count_step(self, sums: LossSums, taken: bool = True, **metrics: float | torch.Tensor) -> None:
         """Count an optimizer step (``taken``: not skipped by fp16's scaler) whose loss sum and sample count on
-        this rank were ``sums`` (``(2,)`` float64, on the device: nothing is read): :attr:`step_loss` becomes
-        them, :attr:`step_metrics` ``metrics`` (a tensor among them is read when a callback asks for it)."""
+        this rank were ``sums`` (nothing is read back to the host; one tensor operation a batch):
+        :attr:`step_loss` becomes them, :attr:`step_metrics` ``metrics`` (a tensor among them is read when a
+        callback asks for it)."""
         self.global_step += 1
         self.skipped_steps += not taken
         self.step_metrics = StepMetrics(metrics)
-        self.step_loss = sums
-        self.epoch_sums = _plus(self.epoch_sums, sums)
+        self._last_step = sums
+        if sums.losses:
+            if self._epoch_loss is None:
+                self._epoch_loss = torch.zeros((), dtype=torch.float64, device=sums.losses[0][0].device)
+            sums.add_loss_to(self._epoch_loss)
+        self._epoch_items += sums.items
 
     def epoch_loss(self, sums: torch.Tensor) -> float:
         """The epoch's train loss from ``sums``, every process's loss sum and sample count in the steps since
@@ -261,7 +281,7 @@ class TrainState:
         if position:
             epochs.source.skip(self.stream)
         run.history = defaultdict(list, self.history)
-        run.epoch_sums = _sums()
+        run.reset_epoch_sums()
         run.resumed_sums = self.epoch_sums.cpu().double() if position else _sums()
         if self.world_size != get_world_size() and not keeps_steps:
             warnings.warn(
