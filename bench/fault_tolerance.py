@@ -1,7 +1,7 @@
 """What per-step fault tolerance (torchft) costs and buys, against plain DDP and today's restart path, in one run.
 
     .venv/bin/pip install -c constraints.txt -e '.[ft]'     # torchft 0.2.0
-    python bench/fault_tolerance.py [--steps 300] [--rounds 3] [--step-delay 0.05] [--groups-only]
+    python bench/fault_tolerance.py [--steps 300] [--rounds 3] [--step-delay 0.05] [--groups-only | --trainloop-only]
 
 This is the baseline for ddpkit's fault tolerance on torchft, measured before
 ddpkit has it: the floor its own per-step cost is set against, and the
@@ -320,7 +320,7 @@ def per_step_groups(work: Path, steps: int, rounds: int) -> dict[str, list[float
             else:
                 ports = [str(_free_port()) for _ in range(2)]
                 args = [["--group-worker", kind.removesuffix("2x2"), str(rank // 2), str(rank % 2), ports[rank // 2],
-                         lighthouse.address(), str(steps), str(outs[rank])] for rank in range(4)]  # fmt: skip
+                         lighthouse.address, str(steps), str(outs[rank])] for rank in range(4)]  # fmt: skip
             _finish([_spawn(a, log) for a, log in zip(args, logs, strict=True)], logs)
             if lighthouse is not None:
                 lighthouse.shutdown()
@@ -408,16 +408,18 @@ def _finish(processes: list[subprocess.Popen[bytes]], logs: list[Path], timeout:
 
 
 def _lighthouse(replicas: int) -> Any:
-    from torchft._torchft import LighthouseServer
+    """torchft's lighthouse on loopback with the job's record beside it (which ``TrainLoop(fault_tolerance)``
+    reads; the plain loops use the lighthouse alone), as ``ddpkit lighthouse`` serves them."""
+    from ddpkit.fault_tolerance import serve_lighthouse
 
-    return LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=200 * replicas,
-                            heartbeat_timeout_ms=1000)  # fmt: skip
+    return serve_lighthouse("127.0.0.1", min_replicas=1, join_timeout=0.2 * replicas, heartbeat_timeout=1.0)
 
 
-def per_step(work: Path, steps: int, rounds: int) -> dict[str, list[float]]:
-    """Median seconds per step of each round, for plain DDP, the plain torchft loop and ddpkit's."""
-    kinds = ("ddp", "torchft", "ddpkit", "torchft-loader", "trainloop-ddp", "trainloop-ft", "io-ddp-2", "io-ft-0",
-             "io-ft-2")  # fmt: skip
+def per_step(work: Path, steps: int, rounds: int, kinds: tuple[str, ...] = ()) -> dict[str, list[float]]:
+    """Median seconds per step of each round, for plain DDP, the plain torchft loop and ddpkit's (``kinds``: those
+    alone)."""
+    kinds = kinds or ("ddp", "torchft", "ddpkit", "torchft-loader", "trainloop-ddp", "trainloop-ft", "io-ddp-2",
+                      "io-ft-0", "io-ft-2")  # fmt: skip
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(rounds):
         for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
@@ -426,20 +428,20 @@ def per_step(work: Path, steps: int, rounds: int) -> dict[str, list[float]]:
             lighthouse = _lighthouse(2) if kind not in ("ddp", "trainloop-ddp", "io-ddp-2") else None
             if kind.startswith("io-"):  # TrainLoop, each item 2 ms late, with 0 or 2 DataLoader workers
                 _, mode, workers = kind.split("-")
-                where = str(_free_port()) if lighthouse is None else lighthouse.address()
+                where = str(_free_port()) if lighthouse is None else lighthouse.address
                 args = [["--trainloop-worker", mode, f"{rank}" if mode == "ddp" else f"r{rank}-{round_}", where,
                          str(max(steps // 3, WARM_UP + 20)), str(outs[rank]), workers, str(ITEM_WAIT_S)]
                         for rank in range(2)]  # fmt: skip
             elif kind.startswith("trainloop"):
                 mode = kind.removeprefix("trainloop-")
-                where = str(_free_port()) if lighthouse is None else lighthouse.address()
+                where = str(_free_port()) if lighthouse is None else lighthouse.address
                 args = [["--trainloop-worker", mode, f"{rank}" if mode == "ddp" else f"r{rank}-{round_}", where,
                          str(steps), str(outs[rank])] for rank in range(2)]  # fmt: skip
             elif lighthouse is None:
                 port = str(_free_port())
                 args = [["--ddp-worker", str(rank), port, str(steps), str(outs[rank])] for rank in range(2)]
             else:
-                args = [[f"--{kind}-worker", f"r{rank}-{round_}", lighthouse.address(), str(steps), str(outs[rank]),
+                args = [[f"--{kind}-worker", f"r{rank}-{round_}", lighthouse.address, str(steps), str(outs[rank]),
                          "0"] for rank in range(2)]  # fmt: skip
             _finish([_spawn(a, log) for a, log in zip(args, logs, strict=True)], logs)
             if lighthouse is not None:
@@ -461,7 +463,7 @@ def group_recovery(work: Path, kind: str, delay: float, round_: int = 0) -> floa
     outs = [work / f"recovery-{kind}-{round_}-{group}" for group in range(2)]
     agents = []
     for group in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "TORCHFT_LIGHTHOUSE": lighthouse.address(),
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "TORCHFT_LIGHTHOUSE": lighthouse.address,
                "REPLICA_GROUP_ID": f"g{group}"}  # fmt: skip
         log = Path(f"{outs[group]}.log")
         command = [*agent, __file__, "--agent-group-worker", kind, str(group), str(outs[group]), str(delay)]
@@ -497,7 +499,7 @@ def torchft_recovery(work: Path, delay: float) -> dict[str, Any]:
     outs = [work / f"recovery-r{i}.jsonl" for i in range(3)]
     logs = [work / f"recovery-r{i}.log" for i in range(3)]
     processes = [
-        _spawn(["--torchft-worker", f"r{i}", lighthouse.address(), str(steps), str(outs[i]), str(delay)], logs[i])
+        _spawn(["--torchft-worker", f"r{i}", lighthouse.address, str(steps), str(outs[i]), str(delay)], logs[i])
         for i in range(3)
     ]
     pids = [p.pid for p in processes]
@@ -508,7 +510,7 @@ def torchft_recovery(work: Path, delay: float) -> dict[str, Any]:
     time.sleep(2.0)
     restarted_at = time.time()
     again = work / "recovery-r2-again.jsonl"
-    processes[2] = _spawn(["--torchft-worker", "r2", lighthouse.address(), str(steps), str(again), str(delay)],
+    processes[2] = _spawn(["--torchft-worker", "r2", lighthouse.address, str(steps), str(again), str(delay)],
                           work / "recovery-r2-again.log")  # fmt: skip
     _finish(processes, [*logs[:2], work / "recovery-r2-again.log"])
     lighthouse.shutdown()
@@ -607,6 +609,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-delay", type=float, default=0.05)
     parser.add_argument("--groups-only", action="store_true", help="only the replica groups of 2 ranks")
+    parser.add_argument("--trainloop-only", action="store_true",
+                        help="only TrainLoop(fault_tolerance) and a torchft loop with a DataLoader")  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse (in this process) logs every quorum at info
     try:
@@ -617,6 +621,9 @@ def main() -> None:
     where = "in a network namespace of its own" if os.environ.get(_NETNS) else "on this machine's network"
     with tempfile.TemporaryDirectory(prefix="ddpkit-ft-bench-") as directory:
         work = Path(directory)
+        if args.trainloop_only:
+            _print_trainloop(per_step(work, args.steps, args.rounds, ("torchft-loader", "trainloop-ft")), args)
+            return
         seconds = {} if args.groups_only else per_step(work, args.steps, args.rounds)
         seconds.update(per_step_groups(work, args.steps, args.rounds))
         recoveries: dict[str, list[float]] = {"torchft": [], "ddpkit": []}
@@ -666,6 +673,15 @@ def main() -> None:
           f"{ft['rejoined']:.2f} s after its start")  # fmt: skip
     print(f"  restart path, ddpkit run --nnodes 1:2: next step {restart['next_step']:6.2f} s after the kill, "
           f"{restart['redone_steps']} step(s) done again (since the last checkpoint)")  # fmt: skip
+
+
+def _print_trainloop(seconds: dict[str, list[float]], args: argparse.Namespace) -> None:
+    ratios = [t / b for t, b in zip(seconds["trainloop-ft"], seconds["torchft-loader"], strict=True)]
+    print(f"per step, 2 processes, {args.rounds} alternating rounds of {args.steps} steps (median of rounds):")
+    print(f"  plain torchft loop, DataLoader  {statistics.median(seconds['torchft-loader']) * 1e3:7.2f} ms")
+    print(f"  TrainLoop(fault_tolerance)      {statistics.median(seconds['trainloop-ft']) * 1e3:7.2f} ms")
+    print(f"  ratio TrainLoop(ft) / that loop {statistics.median(ratios):7.2f}   (rounds: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}; target <= 1.05)")  # fmt: skip
 
 
 def _print_groups(seconds: dict[str, list[float]], recoveries: dict[str, list[float]], args: argparse.Namespace

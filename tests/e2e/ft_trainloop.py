@@ -181,6 +181,11 @@ class StepLog(Callback):
                 time.sleep(0.1)
 
 
+def inked(batch: Any) -> torch.Tensor:
+    """A batch's "tokens" (``tokens_fn``): its inked pixels."""
+    return (batch[0] > 0).sum()
+
+
 def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
     """The same loop in every group and in the one-process reference run (same weights, order, optimizer)."""
     train_set, val_set = digits_datasets(seed=0)
@@ -193,7 +198,7 @@ def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
         model, DataLoader(indexed, batch_size=BATCH, shuffle=True, num_workers=workers),
         DataLoader(val_set, batch_size=50),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), global_batch_size=GLOBAL_BATCH,
-        progress=False, fault_tolerance=fault_tolerance, requeue=os.environ.get("FT_REQUEUE") == "1",
+        progress=False, fault_tolerance=fault_tolerance, requeue=os.environ.get("FT_REQUEUE") == "1", tokens_fn=inked,
     )  # fmt: skip
 
 
@@ -255,6 +260,11 @@ def check_against_one_process(outs: list[Path], finals: list[Path], count: bool 
         kept = json.loads(Path(f"{final}.json").read_text())
         assert kept["train_loss"] == pytest.approx(history["train_loss"], rel=1e-5)
         assert kept["validation_accuracy"] == pytest.approx(history["validation_accuracy"], abs=1e-9)
+        # tokens per item over the epoch's committed steps (since the group began or took it): the job's, within
+        # what a part of the epoch differs from the whole (a digit's ink varies little)
+        ratios = [t / i for t, i in zip(kept["tokens_per_second"], kept["items_per_second"], strict=True)]
+        whole = [t / i for t, i in zip(history["tokens_per_second"], history["items_per_second"], strict=True)]
+        assert ratios == pytest.approx(whole, rel=0.05), (ratios, whole)
 
 
 def main(replica: str, lighthouse: str, out: str, kill_at: int, delay: float, checkpoint_dir: str | None) -> None:

@@ -17,7 +17,7 @@ import pytest
 from ddpkit import Callback
 from ddpkit.testing import run_parallel
 from tests.builders import digits_loop
-from tests.support.host_reads import FULL, sgd_digits_reads, sharded_reads
+from tests.support.host_reads import FULL, inked_pixels, sgd_digits_reads, sharded_reads
 
 
 @pytest.mark.parametrize("options", [{}, FULL, {"global_batch_size": 64, **FULL}], ids=["plain", "full", "global"])
@@ -101,3 +101,27 @@ def test_the_epoch_line_names_each_ranks_peak_memory_and_the_rank_that_holds_mos
     mine = {0: high if most == 0 else low, 1: high if most == 1 else low}
     assert round(before0 / 2**20) <= mine[0] <= round(after0 / 2**20), line
     assert round(before1 / 2**20) <= mine[1] <= round(after1 / 2**20), line
+
+
+def _tokens_and_items(batch_size: int) -> tuple[float, float, int, int]:
+    """tokens/s and items/s of an epoch on this rank's view (every rank's totals), and the inked pixels and items of
+    the batches this rank trained, counted apart."""
+    seen = {"tokens": 0, "items": 0}
+
+    class _Counts(Callback):
+        def on_epoch_begin(self, train_loop: Any) -> None:
+            for inputs, _ in train_loop.train_loader:  # the rank's shard, as it trains it
+                seen["tokens"] += int((inputs > 0).sum())
+                seen["items"] += len(inputs)
+
+    loop = digits_loop(batch_size, tokens_fn=inked_pixels)
+    loop.fit(1, callbacks=[_Counts()])
+    return loop.history["tokens_per_second"][0], loop.history["items_per_second"][0], seen["tokens"], seen["items"]
+
+
+def test_tokens_per_second_sums_every_ranks_tokens() -> None:
+    results = run_parallel(_tokens_and_items, 16, world_size=2, timeout=120)
+    tokens = sum(result[2] for result in results)
+    items = sum(result[3] for result in results)
+    for tokens_per_second, items_per_second, _, _ in results:
+        assert tokens_per_second / items_per_second == pytest.approx(tokens / items, rel=1e-9)

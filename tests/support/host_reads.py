@@ -20,7 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ddpkit import Callback
 from tests.support.recipes import warmup_cosine
 
-__all__ = ["FULL", "CountReadsBetweenSteps", "HostReads", "reads_per_step", "sgd_digits_reads", "sharded_reads"]
+__all__ = [
+    "FULL", "CountReadsBetweenSteps", "HostReads", "inked_pixels", "reads_per_step", "sgd_digits_reads", "sharded_reads"
+]  # fmt: skip
 
 #: Clipping (its norm), bf16 and a per-step schedule: what a step does besides the loss.
 FULL = {
@@ -101,3 +103,9 @@ def sharded_reads(first: int, last: int, **options: Any) -> tuple[float, dict[st
     model = Stack()
     loop = sharded_loop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), **options)
     return reads_per_step(loop, 1, first, last)
+
+
+def inked_pixels(batch: Any) -> torch.Tensor:
+    """A digits batch's "tokens" for ``TrainLoop(tokens_fn=...)``: its inked pixels (a tensor on the batch's
+    device)."""
+    return (batch[0] > 0).sum()

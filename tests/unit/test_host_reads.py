@@ -16,7 +16,7 @@ import torch
 
 from ddpkit import Callback
 from tests.builders import digits_loop
-from tests.support.host_reads import FULL, HostReads, sgd_digits_reads
+from tests.support.host_reads import FULL, HostReads, inked_pixels, reads_per_step, sgd_digits_reads
 
 
 def test_the_counter_sees_what_a_hand_written_step_reads() -> None:
@@ -95,3 +95,35 @@ def test_the_epoch_line_gives_items_per_second_and_peak_memory_as_measured_apart
     assert before / 2**20 <= memory <= after / 2**20
     line = next(record.message for record in caplog.records if record.message.startswith("epoch  1/1"))
     assert f"  {speed:.0f} items/s  peak memory {round(memory)} MiB" in line, line
+
+
+class _CountsInk(Callback):
+    """The tokens of every batch the loop trains, counted apart (each step's batches are the loader's batches)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def on_train_begin(self, train_loop: Any) -> None:
+        self.tokens = sum(int((inputs > 0).sum()) for inputs, _ in train_loop.train_loader)
+
+
+def test_tokens_per_second_counts_what_tokens_fn_says_and_reads_nothing_between_steps(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With ``tokens_fn`` the epoch line and the history give tokens/s: tokens / items equals what the test counts
+    itself over the same loader, and the step still reads nothing back (the counts stay tensors)."""
+    counted = _CountsInk()
+    loop = digits_loop(16, tokens_fn=inked_pixels, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))  # Adam reads
+    with caplog.at_level(logging.INFO, logger="ddpkit.training._run"):
+        per_step, reads = reads_per_step(loop, 1, 2, 20, [counted])
+    assert per_step == 0.0, reads
+    tokens, items = loop.history["tokens_per_second"][0], loop.history["items_per_second"][0]
+    assert tokens / items == pytest.approx(counted.tokens / len(loop.train_loader.dataset), rel=1e-9)
+    line = next(record.message for record in caplog.records if record.message.startswith("epoch  1/1"))
+    assert f"  {items:.0f} items/s  {tokens:.0f} tokens/s  peak memory" in line, line
+
+
+def test_tokens_fn_that_returns_no_number_is_refused_naming_what_it_returned() -> None:
+    loop = digits_loop(16, tokens_fn=lambda batch: batch[0].shape)
+    with pytest.raises(TypeError, match=r"tokens_fn returned Size torch.Size\(\[16, 64\]\).*an int or a one-element"):
+        loop.fit(1)

@@ -73,13 +73,16 @@ class DDPSteps:
     def epoch_totals(self) -> EpochTotals:
         """The epoch's train loss and items over every rank, each rank's time per batch and peak memory: one
         gather (the epoch's one read of its loss sums)."""
-        loop = self.run.loop
+        loop, state = self.run.loop, self.run.loop.state
         own = [self._busy / max(1, self._batches), float(peak_memory(loop.device))]
-        mine = torch.cat([loop.state.epoch_sums.cpu(), torch.tensor(own, dtype=torch.float64)])
-        per_rank = mp_sync(mine).view(-1, 4)
+        tokens = torch.as_tensor(state.epoch_tokens, dtype=torch.float64).reshape(1).cpu()
+        mine = torch.cat([state.epoch_sums.cpu(), torch.tensor(own, dtype=torch.float64), tokens])
+        per_rank = mp_sync(mine).view(-1, 5)
         loop.step_times = (1000 * per_rank[:, 2]).tolist() if per_rank.shape[0] > 1 else []
         sums = per_rank[:, :2].sum(0)
-        return EpochTotals(loop.state.epoch_loss(sums), float(sums[1]), [int(b) for b in per_rank[:, 3].tolist()])
+        total_tokens = float(per_rank[:, 4].sum()) if loop.tokens_fn is not None else None
+        return EpochTotals(state.epoch_loss(sums), float(sums[1]), [int(b) for b in per_rank[:, 3].tolist()],
+                           total_tokens)  # fmt: skip
 
     def gathered(self, position: int) -> tuple[list[dict[str, Any]], torch.Tensor]:
         """Every rank's random state and the ranks' summed loss sums (two small collectives; every rank)."""

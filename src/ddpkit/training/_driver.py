@@ -44,19 +44,23 @@ class LossSums:
     """One rank's loss sum and item count in an optimizer step, kept as its batches' mean losses (tensors left on
     their device) and item counts, and summed only when asked for: counting a batch runs no tensor operation."""
 
-    __slots__ = ("_tensor", "items", "losses")
+    __slots__ = ("_tensor", "items", "losses", "tokens")
 
     def __init__(self) -> None:
         #: ``(mean loss, items)`` of each counted batch (the loss detached, on its device).
         self.losses: list[tuple[torch.Tensor, float]] = []
         #: Items counted, in all.
         self.items = 0.0
+        #: Tokens counted, in all (a tensor on the device when the loop's ``tokens_fn`` gives tensors).
+        self.tokens: float | torch.Tensor = 0.0
         self._tensor: torch.Tensor | None = None
 
-    def add(self, mean_loss: torch.Tensor, items: float) -> None:
-        """Count a batch of ``items`` items whose mean loss was ``mean_loss``."""
+    def add(self, mean_loss: torch.Tensor, items: float, tokens: float | torch.Tensor = 0.0) -> None:
+        """Count a batch of ``items`` items and ``tokens`` tokens whose mean loss was ``mean_loss``."""
         self.losses.append((mean_loss.detach(), items))
         self.items += items
+        if not isinstance(tokens, float) or tokens:
+            self.tokens = self.tokens + tokens
         self._tensor = None
 
     def add_loss_to(self, total: torch.Tensor) -> None:
@@ -97,10 +101,10 @@ class Step:
         #: Seconds of loading and forward of its batches (before the step's all-reduce), and their number.
         self.busy, self.trained = 0.0, 0
 
-    def count(self, mean_loss: torch.Tensor, items: float, seconds: float) -> None:
-        """Count a batch of ``items`` items whose mean loss was ``mean_loss`` (a tensor, left on its device: nothing
-        is read back to the host), loaded and run in ``seconds``."""
-        self.counted.add(mean_loss, items)
+    def count(self, mean_loss: torch.Tensor, items: float, seconds: float, tokens: float | torch.Tensor = 0.0) -> None:
+        """Count a batch of ``items`` items (and ``tokens`` tokens) whose mean loss was ``mean_loss`` (a tensor, left
+        on its device: nothing is read back to the host), loaded and run in ``seconds``."""
+        self.counted.add(mean_loss, items, tokens)
         self.busy, self.trained = self.busy + seconds, self.trained + 1
 
     def take_counts(self, other: Step) -> None:
@@ -152,11 +156,13 @@ class EpochTotals:
         peak_memory: each process's peak memory in bytes, in the order of the loop's ``step_times`` (ranks 0, 1,
             ..., or the driver's ``timed`` names): ``torch.cuda.max_memory_allocated`` on a GPU, the process's
             peak resident set size on the CPU.
+        tokens: tokens trained in its steps, as ``items`` (the loop's ``tokens_fn``; ``None`` without one).
     """
 
     loss: float
     items: float
     peak_memory: list[int]
+    tokens: float | None = None
 
 
 def peak_memory(device: torch.device) -> int:

@@ -124,6 +124,7 @@ class FaultTolerantSteps:
         self._writing_group = False  # whether this is a rank of participant 0 of the last committed step
         self.last_deal: tuple[int, int | None] | None = None  # (participants, index) of the last step's quorum
         self._job_sums = torch.zeros(2, dtype=torch.float64)  # every group's, in this epoch's committed steps
+        self._job_tokens = 0.0  # every group's tokens (the loop's tokens_fn), in this epoch's committed steps
         self._times: dict[str, tuple[float, int]] = {}  # this epoch: each group's (seconds per batch, steps)
         #: The replica groups whose times ``loop.step_times`` holds, in that order (after an epoch).
         self.timed: list[str] = []
@@ -154,7 +155,7 @@ class FaultTolerantSteps:
         self.position = self.run.take_over(
             TrainState.from_dict(saved, f"the state replica group {self.settings.replica_id} took")
         )
-        self._job_sums = torch.zeros(2, dtype=torch.float64)
+        self._job_sums, self._job_tokens = torch.zeros(2, dtype=torch.float64), 0.0
 
     def gathered(self, position: int) -> tuple[list[dict[str, Any]], torch.Tensor]:
         """This rank's random state (each batch is reseeded) and the job's loss sums of the epoch's committed
@@ -214,7 +215,7 @@ class FaultTolerantSteps:
         recovering group takes its peer's epoch and position in a commit and goes on from there."""
         assert self._group is not None, "FaultTolerantSteps.epoch outside its with block"
         self.position, self._num_epochs = position, num_epochs
-        self._job_sums, self._times = torch.zeros(2, dtype=torch.float64), {}
+        self._job_sums, self._job_tokens, self._times = torch.zeros(2, dtype=torch.float64), 0.0, {}
         while self.position < len(self._order(self.loop.state.epoch)):
             yield _QuorumStep(self, self._group)
 
@@ -224,7 +225,8 @@ class FaultTolerantSteps:
         self.timed = sorted(self._times)
         self.loop.step_times = [1000 * self._times[name][0] / self._times[name][1] for name in self.timed]
         loss = self.loop.state.epoch_loss(self._job_sums)
-        return EpochTotals(loss, float(self._job_sums[1]), [peak_memory(self.loop.device)])
+        tokens = self._job_tokens if self.loop.tokens_fn is not None else None
+        return EpochTotals(loss, float(self._job_sums[1]), [peak_memory(self.loop.device)], tokens)
 
     def _order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s global order (dataset indices), the same in every group."""
@@ -255,26 +257,35 @@ class FaultTolerantSteps:
         participants, index = step.deal
         own = _weight_norms(model) if index is not None else torch.zeros(2, dtype=torch.float64)
         buffers = _numeric_buffers(model)
-        mine = torch.cat(
-            [b.detach().reshape(-1).double().cpu() for b in buffers] or [torch.zeros(0, dtype=torch.float64)]
-        )
-        # The loss sums, the weights' norms, SLURM's signals, each group's time per batch of loading and forward
-        # (in its slot: the quorum's names, sorted) and the buffers (BatchNorm's statistics) ride with the
-        # gradients.
-        members = group.members
-        times = torch.zeros(len(members), dtype=torch.float64)
+        # The loss sums, the tokens, the weights' norms, SLURM's signals, each group's time per batch of loading
+        # and forward (in its slot: the quorum's names, sorted) and the buffers (BatchNorm's statistics) ride with
+        # the gradients: one tensor made from numbers on the host, and the buffers.
+        members = self._members  # the quorum's names, sorted (noted when its batches were dealt)
+        times = [0.0] * len(members)
         if index is not None and self.settings.replica_id in members:
             times[members.index(self.settings.replica_id)] = step.busy / max(1, step.trained)
         flags = loop.preemption.received_flags()
-        sums = step.sums.cpu()  # the step's one read: torchft's commit waits for the step's collectives anyway
-        riding = torch.cat([sums, own, flags, times, mine if index is not None else torch.zeros_like(mine)])
+        # The step's one read: torchft's commit waits for the step's collectives anyway.
+        counted = step.sums
+        tokens = step.counted.tokens
+        if isinstance(tokens, torch.Tensor):
+            counted = torch.cat([counted, tokens.to(counted.device).reshape(1)])
+        sums = counted.cpu().tolist()
+        if not isinstance(tokens, torch.Tensor):
+            sums.append(tokens)
+        head = torch.tensor([*sums, *own.tolist(), *flags.tolist(), *times], dtype=torch.float64)
+        mine = [b.detach().reshape(-1).double().cpu() for b in buffers] if index is not None else []
+        if index is None and buffers:  # a recovering group adds zeros
+            mine = [torch.zeros(sum(b.numel() for b in buffers), dtype=torch.float64)]
+        riding = torch.cat([head, *mine]) if mine else head
         # Views of riding: their means over the participants once it has been averaged.
-        mean_sums, mean_norms, mean_flags, mean_times, mean_buffers = torch.split(
-            riding, [2, 2, 2, len(members), mine.numel()]
+        mean_sums, mean_tokens, mean_norms, mean_flags, mean_times, mean_buffers = torch.split(
+            riding, [2, 1, 2, 2, len(members), riding.numel() - head.numel()]
         )
-        job_sums = torch.zeros(2, dtype=torch.float64)
+        job_sums, job_tokens = torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         if group.average_gradients(model.parameters(), also=riding):
             job_sums = mean_sums * (participants * self.ranks)  # their mean over every rank of them -> their sum
+            job_tokens = mean_tokens * (participants * self.ranks)
             if index is not None:
                 self._check_same_weights(own, mean_norms, state.global_step + 1)
         if not group.commit():  # a recovering group takes its peer's state in it (load_state_dict)
@@ -295,6 +306,7 @@ class FaultTolerantSteps:
                 total, steps = self._times.get(name, (0.0, 0))
                 self._times[name] = (total + seconds, steps + 1)
         self._job_sums += job_sums
+        self._job_tokens += float(job_tokens[0])
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
         self.position += min(self.size, len(self._order(state.epoch)) - self.position)
         self._writing_group = index == 0

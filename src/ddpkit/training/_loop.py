@@ -12,7 +12,7 @@ W x B. Validation metrics are computed on every sample exactly once
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,14 @@ class TrainLoop:
             group is dealt over its ranks and averaged over them, then over the
             quorum). Start the groups with :meth:`fit_distributed` or ``ddpkit run
             --fault-tolerance``.
+        tokens_fn: what a token is: a callable that takes a batch (on the
+            device, as ``training_step`` gets it) and returns its number of
+            tokens, an ``int`` or a tensor (``batch["attention_mask"].sum()``:
+            summed on its device, never read back in a step). The epoch line
+            then shows tokens/s besides items/s, over every rank, and
+            ``history["tokens_per_second"]`` has them (as Lightning's
+            ``ThroughputMonitor(length_fn=...)`` and torchtitan's tps). Default
+            ``None``: items/s alone.
 
     Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``, ``validation_loader``, ``test_loader``,
     ``device``, ``callbacks_handler``, ``ddp_handler`` (a :class:`~ddpkit.DDPHandler` once :meth:`fit` has set up).
@@ -188,6 +196,7 @@ class TrainLoop:
         gradient_clip_val: float | None = None,
         compile: bool | dict[str, Any] = False,
         fault_tolerance: str | TorchFT | None = None,
+        tokens_fn: Callable[[Any], int | torch.Tensor] | None = None,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
@@ -219,6 +228,8 @@ class TrainLoop:
         self.seed = seed
         self.progress = progress
         self.preemption = PreemptionHandler(requeue)
+        #: What counts a batch's tokens (``None``: no tokens/s).
+        self.tokens_fn = tokens_fn
         #: The schedule, precision, clipping and compilation of each step.
         self.recipe = Recipe(
             lr_scheduler=lr_scheduler, interval=lr_scheduler_interval, monitor=lr_scheduler_monitor,

@@ -41,14 +41,17 @@ def straggler_text(step_times: list[float], names: list[str] | None = None) -> s
 def epoch_line(
     epoch: int, num_epochs: int, loss: float, metrics: dict[str, float], step_times: list[float],
     names: list[str] | None = None, items_per_second: float | None = None, peak_memory: list[int] | None = None,
+    tokens_per_second: float | None = None,
 ) -> str:  # fmt: skip
-    """``epoch  2/10  train loss 0.1234  validation accuracy 0.9600  5230 items/s  peak memory 310-322 MiB/rank
-    (most: rank 1)  load+forward ...`` (``epoch`` 0-based; ``names``: whose ``step_times`` they are, default ranks
-    0, 1, ...; ``peak_memory``: bytes, by rank, or this process's alone)."""
+    """``epoch  2/10  train loss 0.1234  validation accuracy 0.9600  5230 items/s  41840 tokens/s  peak memory
+    310-322 MiB/rank (most: rank 1)  load+forward ...`` (``epoch`` 0-based; ``names``: whose ``step_times`` they
+    are, default ranks 0, 1, ...; ``peak_memory``: bytes, by rank, or this process's alone)."""
     parts = [f"epoch {epoch + 1:>2}/{num_epochs}", f"train loss {loss:.4f}"]
     parts += [f"validation {name} {value:.4f}" for name, value in metrics.items()]
     if items_per_second is not None and items_per_second == items_per_second:  # not nan
         parts.append(f"{items_per_second:.0f} items/s")
+    if tokens_per_second is not None and tokens_per_second == tokens_per_second:
+        parts.append(f"{tokens_per_second:.0f} tokens/s")
     if peak_memory:
         parts.append(memory_text(peak_memory))
     if len(step_times) > 1:

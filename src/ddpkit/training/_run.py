@@ -20,6 +20,7 @@ import contextlib
 import copy
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -75,6 +76,7 @@ class Trains(Protocol):
     step_times: list[float]
     recipe: Recipe
     fault_tolerance: TorchFT | None
+    tokens_fn: Callable[[Any], int | torch.Tensor] | None
 
     def batch_to_device(self, batch: Any) -> Any: ...
 
@@ -227,7 +229,8 @@ class TrainingRun:
             if batch.synced and self._forward_calls == calls and isinstance(model, DistributedDataParallel):
                 raise skipped_model_error(type(loop).training_step, loop.state, batch.index)
             loop.recipe.backward(loss if batch.scale == 1.0 else loss * batch.scale)
-        step.count(loss, batch_length(data) * batch.weight, seconds)  # padding: 0 items; no read of the loss
+        tokens = 0.0 if loop.tokens_fn is None else _tokens(loop.tokens_fn, data, batch.weight)
+        step.count(loss, batch_length(data) * batch.weight, seconds, tokens)  # padding: 0 items; no read of the loss
 
     def _progress(self, bar: tqdm[Any] | None, driver: StepDriver, start: int, position: int, num_epochs: int
                   ) -> tqdm[Any] | None:  # fmt: skip
@@ -276,16 +279,27 @@ class TrainingRun:
         validation, schedule and line, ``on_epoch_end``, then its checkpoint."""
         loop, state = self.loop, self.loop.state
         speed = totals.items / seconds if seconds > 0 else float("nan")
+        tokens = None if totals.tokens is None else totals.tokens / seconds if seconds > 0 else float("nan")
         state.history["train_loss"].append(totals.loss)
         metrics = loop.evaluate(loop.validation_loader) if loop.validation_loader is not None else {}
         for name, value in metrics.items():
             state.history[f"validation_{name}"].append(value)
         state.history["items_per_second"].append(speed)
+        if tokens is not None:
+            state.history["tokens_per_second"].append(tokens)
         state.history["peak_memory_mib"].append(max(totals.peak_memory, default=0) / 2**20)
         self._end_epoch_recipe()
         if driver.leader:
             line = driver.prefix + epoch_line(
-                state.epoch, num_epochs, totals.loss, metrics, loop.step_times, driver.timed, speed, totals.peak_memory
+                state.epoch,
+                num_epochs,
+                totals.loss,
+                metrics,
+                loop.step_times,
+                driver.timed,
+                speed,
+                totals.peak_memory,
+                tokens,
             )
             tqdm.write(f"{line}\n", end="")  # one write: other groups' lines may share the stream
             log.info(line)
@@ -362,3 +376,22 @@ class TrainingRun:
             state["callbacks_handler"] = handler = copy.copy(loop.callbacks_handler)
             handler.callbacks = [c for c in handler.callbacks if c is not loop.ddp_handler.callback]
         return state
+
+
+def _tokens(count: Callable[[Any], int | torch.Tensor], data: Any, weight: float) -> float | torch.Tensor:
+    """The tokens of a batch (``data``, on the device) by the loop's ``tokens_fn``, times its ``weight`` (0 for
+    padding): a float, or a float64 tensor left on its device.
+
+    Raises:
+        TypeError: ``tokens_fn`` returned something else than a number or a one-element tensor.
+    """
+    tokens = count(data)
+    if isinstance(tokens, torch.Tensor) and tokens.numel() == 1:
+        tokens = tokens.detach().double().reshape(())
+        return tokens if weight == 1.0 else tokens * weight
+    if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
+        return float(tokens) * weight
+    raise TypeError(
+        f"tokens_fn returned {type(tokens).__name__} {tokens!r:.80}: it must return a batch's number of tokens, an int "
+        "or a one-element tensor (batch['attention_mask'].sum(), say)"
+    )

@@ -111,6 +111,14 @@ class RunState:
     _epoch_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
     _epoch_items: float = field(default=0.0, init=False, repr=False)
     _last_step: LossSums = field(default_factory=LossSums, init=False, repr=False)
+    # The epoch's tokens (a float, or a float64 tensor on the device: the loop's tokens_fn), as _epoch_items.
+    _epoch_tokens: float | torch.Tensor = field(default=0.0, init=False, repr=False)
+
+    @property
+    def epoch_tokens(self) -> float | torch.Tensor:
+        """This rank's tokens in the steps it took in the epoch since it began or resumed (the loop's ``tokens_fn``;
+        0 without one): a float, or a 0-d float64 tensor on the device of the counts, not read back."""
+        return self._epoch_tokens
 
     @property
     def epoch_sums(self) -> torch.Tensor:
@@ -138,7 +146,7 @@ class RunState:
 
     def reset_epoch_sums(self) -> None:
         """Forget the epoch's loss sums (:attr:`epoch_sums` becomes zeros)."""
-        self._epoch_loss, self._epoch_items = None, 0.0
+        self._epoch_loss, self._epoch_items, self._epoch_tokens = None, 0.0, 0.0
 
     def count_step(self, sums: LossSums, taken: bool = True, **metrics: float | torch.Tensor) -> None:
         """Count an optimizer step (``taken``: not skipped by fp16's scaler) whose loss sum and sample count on
@@ -154,6 +162,8 @@ class RunState:
                 self._epoch_loss = torch.zeros((), dtype=torch.float64, device=sums.losses[0][0].device)
             sums.add_loss_to(self._epoch_loss)
         self._epoch_items += sums.items
+        if not isinstance(sums.tokens, float) or sums.tokens:
+            self._epoch_tokens = self._epoch_tokens + sums.tokens
 
     def epoch_loss(self, sums: torch.Tensor) -> float:
         """The epoch's train loss from ``sums``, every process's loss sum and sample count in the steps since
