@@ -73,13 +73,10 @@ class RunState:
         global_step: optimizer steps taken in all.
         resume_position: entries of ``epoch``'s global order that a resumed run
             skips at the epoch's start (0 but right after a mid-epoch resume).
-        epoch_sums: ``(2,)`` float64: this rank's loss sum and sample count in
-            the steps it took in the epoch since it began or resumed.
         resumed_sums: ``(2,)`` float64: the loss sum and sample count of every
             process in the epoch before the run resumed it (from a checkpoint, or
             with fault tolerance from another replica group's state); zeros
             when the epoch began here.
-        step_loss: ``(2,)`` float64: this rank's loss sum and sample count in the last optimizer step.
         history: per epoch, ``train_loss`` and ``validation_<metric>`` (and
             ``lr``, ``skipped_steps`` when a scheduler, fp16 are used).
         should_stop: set by a callback (on every rank) to end ``fit`` after this epoch.
