@@ -53,19 +53,20 @@ def _numeric_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     return [buffer for buffer in model.buffers() if buffer.dtype != torch.bool and not buffer.is_complex()]
 
 
-def _weight_norms(model: torch.nn.Module) -> torch.Tensor:
-    """``(2,)`` float64 on the CPU: the L1 norm and the squared L2 norm of ``model``'s parameters (each
-    parameter's norms in its dtype, summed in float64; one ``_foreach_norm`` per device and order)."""
+def _weight_norms(model: torch.nn.Module) -> list[float]:
+    """The L1 norm and the squared L2 norm of ``model``'s parameters (each parameter's norms in its dtype, summed in
+    float64; both orders' norms in one ``stack`` per device, read back once)."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for parameter in model.parameters():
         per_device.setdefault(parameter.device, []).append(parameter.detach())
-    total = torch.zeros(2, dtype=torch.float64)
+    l1 = l2 = 0.0
     with torch.no_grad():
         for tensors in per_device.values():
-            l1 = torch.stack(torch._foreach_norm(tensors, 1)).double().sum()
-            l2 = torch.stack(torch._foreach_norm(tensors, 2)).double().square().sum()
-            total += torch.stack([l1, l2]).cpu()
-    return total
+            count = len(tensors)
+            norms = torch.stack([*torch._foreach_norm(tensors, 1), *torch._foreach_norm(tensors, 2)]).double()
+            sums = torch.stack([norms[:count].sum(), norms[count:].square().sum()]).tolist()
+            l1, l2 = l1 + sums[0], l2 + sums[1]
+    return [l1, l2]
 
 
 class _CannotGoOn(StopWithoutRestart):
@@ -255,7 +256,7 @@ class FaultTolerantSteps:
         ``None`` when it was not (the next quorum does it again)."""
         loop, state, model = self.loop, self.loop.state, self.loop.model
         participants, index = step.deal
-        own = _weight_norms(model) if index is not None else torch.zeros(2, dtype=torch.float64)
+        own = _weight_norms(model) if index is not None else [0.0, 0.0]
         buffers = _numeric_buffers(model)
         # The loss sums, the tokens, the weights' norms, SLURM's signals, each group's time per batch of loading
         # and forward (in its slot: the quorum's names, sorted) and the buffers (BatchNorm's statistics) ride with
@@ -273,7 +274,7 @@ class FaultTolerantSteps:
         sums = counted.cpu().tolist()
         if not isinstance(tokens, torch.Tensor):
             sums.append(tokens)
-        head = torch.tensor([*sums, *own.tolist(), *flags.tolist(), *times], dtype=torch.float64)
+        head = torch.tensor([*sums, *own, *flags.tolist(), *times], dtype=torch.float64)
         mine = [b.detach().reshape(-1).double().cpu() for b in buffers] if index is not None else []
         if index is None and buffers:  # a recovering group adds zeros
             mine = [torch.zeros(sum(b.numel() for b in buffers), dtype=torch.float64)]
@@ -314,20 +315,21 @@ class FaultTolerantSteps:
         signal = loop.preemption.signal_of(mean_flags)
         return CommittedStep(self.position, step.counted, signal, {"replica_groups": float(participants)})
 
-    def _check_same_weights(self, own: torch.Tensor, mean: torch.Tensor, step: int) -> None:
+    def _check_same_weights(self, own: list[float], mean: torch.Tensor, step: int) -> None:
         """Raise when this group's weights are not the quorum's: ``own`` (this group's L1 norm and squared L2
         norm of its parameters) against their ``mean`` over the participants (float32 after the all-reduce).
 
         Raises:
             DDPKitError: they differ by more than 1e-5 (relative); every group of the quorum raises.
         """
-        own32 = own.float()
-        if bool(torch.all((mean - own32).abs() <= 1e-5 * own32.abs().clamp(min=1.0))):
+        means = mean.tolist()
+        own32 = torch.tensor(own, dtype=torch.float32).tolist()  # as the all-reduce carried them
+        if all(abs(m - o) <= 1e-5 * max(abs(o), 1.0) for m, o in zip(means, own32, strict=True)):
             return
         raise DDPKitError(
             f"replica group {self.settings.replica_id}: its weights are not the other groups' at step {step} (L1 "
-            f"norm {float(own[0]):.8g} and squared L2 norm {float(own[1]):.8g}; their mean over the quorum "
-            f"{float(mean[0]):.8g} and {float(mean[1]):.8g}): the groups no longer train one model and the result "
+            f"norm {own[0]:.8g} and squared L2 norm {own[1]:.8g}; their mean over the quorum "
+            f"{means[0]:.8g} and {means[1]:.8g}): the groups no longer train one model and the result "
             "would not be that of one process, so every group stops here. Restart the job from its last "
             "checkpoint, and please report this as a bug of ddpkit's fault tolerance"
         )
