@@ -48,6 +48,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` right now whose next port is free too (a lighthouse's, whose job record listens on
+    port + 1); as racy as :func:`free_port`, but never a pair whose second half another process holds."""
+    for _ in range(100):
+        port = free_port(host)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            try:
+                probe.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free pair of ports on {host} in 100 tries")
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     try:

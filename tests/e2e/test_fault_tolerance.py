@@ -28,7 +28,7 @@ from tests.e2e.ft_trainloop import (
 from tests.e2e.ft_trainloop import check_callbacks_in_order as _check_callbacks_in_order
 from tests.e2e.ft_trainloop import records as _records
 from tests.e2e.ft_trainloop import steps as _steps
-from tests.helpers import JOB_SECRET, free_port, in_a_namespace, listening_sockets, refused, wait_for
+from tests.helpers import JOB_SECRET, free_port_pair, in_a_namespace, listening_sockets, refused, wait_for
 from tests.support.fault_tolerance import NEXT_COMMIT_S, _survivors_wait_for_the_restart
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
@@ -676,7 +676,7 @@ def test_fit_distributed_on_two_nodes_makes_each_node_a_replica_group_of_its_pro
         .replace('torch.save(loop.model.state_dict(), "handed-back.pt")',
                  'torch.save(loop.model.state_dict(), f"handed-back-{sys.argv[2]}.pt")')
     )  # fmt: skip
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{free_port_pair()}"  # the lighthouse's port, and its job record's next to it
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "DDPKIT_JOB_SECRET": JOB_SECRET}
     nodes = [subprocess.Popen([sys.executable, str(script), endpoint, name], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
