@@ -58,6 +58,25 @@ def test_callbacks_see_every_event_in_order_and_the_handler_refuses_others() -> 
         loop.callbacks_handler.register_callbacks([print])  # type: ignore[list-item]
 
 
+def test_the_handler_calls_only_what_a_callback_overrides_and_sees_callbacks_added_later() -> None:
+    calls: list[str] = []
+    handler = TrainLoop(_model(), DataLoader(TensorDataset(torch.zeros(4, 64)))).callbacks_handler
+    recorder, plain, patched = _Recorder(), Callback(), Callback()
+    patched.on_batch_end = lambda train_loop: calls.append("patched")  # type: ignore[method-assign]
+    handler.register_callbacks([plain, recorder])
+    handler.execute("on_batch_end")
+    assert recorder.events == ["step 0"]
+    assert calls == []
+    handler.callbacks.append(patched)  # a list of its own: added without register_callbacks
+    handler.execute("on_batch_end")
+    assert recorder.events == ["step 0", "step 0"]
+    assert calls == ["patched"]
+    handler.callbacks.remove(recorder)
+    handler.execute("on_batch_end")
+    assert recorder.events == ["step 0", "step 0"]
+    assert calls == ["patched", "patched"]
+
+
 def test_bad_arguments_are_refused_with_the_values() -> None:
     train, _ = digits_datasets(seed=0)
     loop = TrainLoop(_model(), DataLoader(train, batch_size=64))

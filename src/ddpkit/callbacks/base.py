@@ -76,6 +76,8 @@ class CallbacksHandler:
     def __init__(self, train_loop: TrainLoopView) -> None:
         self.train_loop = train_loop
         self.callbacks: list[Callback] = []
+        self._hooks: dict[str, list[Any]] = {}  # each event's overriding methods, for ``_hooked``
+        self._hooked: list[Callback] = []  # the callbacks ``_hooks`` was made for
 
     def register_callbacks(self, callbacks: Iterable[Callback] | Callback | None) -> None:
         """Add callbacks; they run in the order they were registered.
@@ -92,9 +94,20 @@ class CallbacksHandler:
         self.callbacks.extend(items)
 
     def execute(self, event: Event) -> None:
-        """Run ``event`` on every callback."""
-        for callback in self.callbacks:
-            getattr(callback, event)(self.train_loop)
+        """Run ``event`` on every callback (a callback whose class does not override it is skipped: its method
+        does nothing)."""
+        if self._hooked != self.callbacks:  # registered or changed since: find the overriding methods again
+            self._hooked, self._hooks = list(self.callbacks), {}
+        hooks = self._hooks.get(event)
+        if hooks is None:
+            default = getattr(Callback, event)
+            hooks = self._hooks[event] = [
+                getattr(callback, event)
+                for callback in self.callbacks
+                if getattr(type(callback), event) is not default or event in getattr(callback, "__dict__", ())
+            ]
+        for hook in hooks:
+            hook(self.train_loop)
 
     def state_dicts(self) -> dict[str, dict[str, Any]]:
         """Every callback's :meth:`~Callback.state_dict` that is not empty, keyed by class name and occurrence."""

@@ -33,6 +33,7 @@ Scheduler: TypeAlias = LRScheduler | ReduceLROnPlateau
 #: ``optimizer -> scheduler``: builds the scheduler on the optimizer of the process that trains.
 SchedulerFactory: TypeAlias = Callable[[torch.optim.Optimizer], Scheduler]
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds nothing
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -173,7 +174,7 @@ class Recipe:
         """The forward's precision: autocast on ``device``'s type for a mixed precision, else nothing."""
         dtype = _AUTOCAST_DTYPES.get(self.precision)
         if dtype is None:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return torch.autocast(device_type=device.type, dtype=dtype)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -51,6 +51,7 @@ from ddpkit.training._steps import GlobalBatch, TrainingEpochs
 __all__ = ["TrainingRun", "Trains"]
 
 log = logging.getLogger(__name__)
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds nothing
 
 
 class Trains(Protocol):
@@ -221,7 +222,7 @@ class TrainingRun:
         data = loop.batch_to_device(batch.data)
         # DDP decides at the forward whether this backward all-reduces: both go inside.
         model = loop.ddp_model if loop.ddp_model is not None else loop.model
-        with contextlib.nullcontext() if batch.synced else loop.plugin.block_backward_sync(model):
+        with _NO_CONTEXT if batch.synced else loop.plugin.block_backward_sync(model):
             calls = self._forward_calls
             with loop.recipe.autocast(loop.device):
                 loss = loop.training_step(self.forward_model, data)

@@ -64,6 +64,9 @@ class StepMetrics(Mapping[str, float]):
         return repr(dict(self))
 
 
+_NO_METRICS = StepMetrics()  # a step that measured nothing else (it never changes: nothing to read)
+
+
 @dataclass
 class RunState:
     """What changes while a ``TrainLoop`` trains; the loop owns it, checkpoints capture and restore it.
@@ -152,7 +155,7 @@ class RunState:
         callback asks for it)."""
         self.global_step += 1
         self.skipped_steps += not taken
-        self.step_metrics = StepMetrics(metrics)
+        self.step_metrics = StepMetrics(metrics) if metrics else _NO_METRICS
         self._last_step = sums
         if sums.losses:
             if self._epoch_loss is None:
