@@ -95,6 +95,33 @@ def _resumable_run(directory: str, stop: StopAfter | None) -> tuple[dict[str, to
     return weights, dict(loop.history), outcome
 
 
+class _StopAt(Callback):
+    """Sets ``should_stop`` after step ``step`` (on every rank): a stop requested, not a crash."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        train_loop.should_stop = train_loop.global_step == self.step
+
+
+def _budgeted_run(directory: str, stop_at: int | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, str]:
+    """``fit(max_steps=40)`` evaluating every 15 steps and checkpointing every 30 (epochs of 23 steps of 2 x 32),
+    stopped by a callback after ``stop_at``: weights, history, steps, what rank 0 printed."""
+    train, val = digits_datasets(seed=0)
+    model = _model(dropout=0.3)
+    loop = TrainLoop(
+        model, DataLoader(train, batch_size=32, shuffle=True), DataLoader(val, batch_size=100),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), checkpoint_dir=directory,
+        checkpoint_every=30, evaluate_every=15, progress=False, seed=1,
+    )  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        history = loop.fit(max_steps=40, callbacks=[_StopAt(stop_at)] if stop_at else None)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return weights, history, loop.global_step, out.getvalue()
+
+
 def _quiet_ranks(batch_size: int) -> tuple[str, str]:
     out, err = io.StringIO(), io.StringIO()
     train, val = digits_datasets(seed=0)
@@ -199,6 +226,38 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path: Path
         assert history["validation_accuracy"] == uninterrupted[rank][1]["validation_accuracy"]
         assert history["train_loss"] == pytest.approx(uninterrupted[rank][1]["train_loss"], rel=1e-12)
     assert not all(torch.equal(stopped[0][0][k], uninterrupted[0][0][k]) for k in weights), "the stop was real"
+
+
+def test_max_steps_and_a_callbacks_stop_end_inside_an_epoch_with_its_checkpoint_and_resume_to_the_same_run(
+    tmp_path: Path,
+) -> None:
+    """max_steps=40 ends inside the second epoch (23 steps each); should_stop after step 20 (not a multiple of
+    checkpoint_every) ends the run there with step 20's checkpoint, and the resumed run ends bit-identical to the
+    uninterrupted one, with the same evaluations at steps 15 and 30 and the same epoch line."""
+    whole = run_parallel(_budgeted_run, str(tmp_path / "a"), None, timeout=60)
+    stopped = run_parallel(_budgeted_run, str(tmp_path / "b"), 20, timeout=60)
+    checkpoint = load_checkpoint(tmp_path / "b" / CHECKPOINT_FILE)
+    assert (checkpoint["global_step"], checkpoint["epoch"], checkpoint["position"]) == (20, 0, 20 * 32 * 2)
+    assert [rank[2] for rank in stopped] == [20, 20]
+    assert "epoch  1  stopped after step 20 (a callback set should_stop)  train loss" in stopped[0][3]
+    assert stopped[1][3] == "", "rank 0 alone prints"
+    assert "train_loss" not in stopped[0][1], "the epoch has not ended"
+    resumed = run_parallel(_budgeted_run, str(tmp_path / "b"), None, timeout=60)
+    for rank in (0, 1):
+        weights, history, steps, _ = resumed[rank]
+        assert steps == whole[rank][2] == 40
+        assert all(torch.equal(weights[k], whole[rank][0][k]) for k in weights), "bit-identical"
+        assert history["eval_step"] == whole[rank][1]["eval_step"] == [15.0, 30.0]
+        assert history["eval_accuracy"] == whole[rank][1]["eval_accuracy"]
+        assert history["train_loss"] == pytest.approx(whole[rank][1]["train_loss"], rel=1e-12)
+        assert len(history["train_loss"]) == 1, "one epoch ended; the second stopped at step 40"
+    assert "resuming from" in resumed[0][3]
+    assert "after 20 of 40 optimizer steps" in resumed[0][3]
+    assert "epoch  2  stopped after step 40 (max_steps=40)" in whole[0][3]
+    assert "step 15 (epoch 1)  validation loss" in whole[0][3]
+    done = run_parallel(_budgeted_run, str(tmp_path / "b"), None, timeout=60)
+    assert done[0][3].startswith(f"already trained 40 of max_steps=40 optimizer steps in {tmp_path / 'b'}")
+    assert done[0][2] == 40
 
 
 def _printed_run(directory: str, stop: StopAfter | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:

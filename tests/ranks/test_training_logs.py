@@ -45,7 +45,7 @@ class _StopAt(Callback):
             raise KeyboardInterrupt(f"stopped after step {self.step}")
 
 
-def _loop(checkpoint_dir: str | None = None) -> TrainLoop:
+def _loop(checkpoint_dir: str | None = None, evaluate_every: int | None = None) -> TrainLoop:
     train, val = digits_datasets(seed=0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
@@ -56,6 +56,7 @@ def _loop(checkpoint_dir: str | None = None) -> TrainLoop:
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=5 if checkpoint_dir else None,
+        evaluate_every=evaluate_every,
         progress=False,
     )
 
@@ -135,7 +136,7 @@ def test_model_checkpoint_keeps_the_weights_of_the_best_epoch(tmp_path: Path) ->
 
 
 def _resumable(out: str, stop: int | None) -> dict[str, list[float]]:
-    loop = _loop(f"{out}/ckpt")
+    loop = _loop(f"{out}/ckpt", evaluate_every=8)
     callbacks: list[Callback] = [
         TensorBoardLogger(f"{out}/tb", log_every_n_steps=5),
         CSVLogger(f"{out}/metrics.csv", log_every_n_steps=5),
@@ -149,7 +150,7 @@ def _resumable(out: str, stop: int | None) -> dict[str, list[float]]:
 
 def test_a_stopped_and_resumed_run_logs_every_epoch_and_step_once(tmp_path: Path) -> None:
     """Stopped after step 35 had been logged, before its checkpoint (so from step 30): the logs equal an
-    uninterrupted run's, step 35 logged once."""
+    uninterrupted run's, step 35 logged once; each evaluate_every evaluation logged once, at its step."""
     run_parallel(_resumable, str(tmp_path / "a"), None, timeout=90)
     run_parallel(_resumable, str(tmp_path / "b"), 35, timeout=90)
     stopped = {int(r["step"]) for r in _csv(tmp_path / "b" / "metrics.csv")}
@@ -158,4 +159,8 @@ def test_a_stopped_and_resumed_run_logs_every_epoch_and_step_once(tmp_path: Path
     assert state["callbacks"]["EarlyStopping-0"]["best_epoch"] == 1, "early stopping's state is checkpointed"
     run_parallel(_resumable, str(tmp_path / "b"), None, timeout=90)
     assert _csv(tmp_path / "b" / "metrics.csv", False) == _csv(tmp_path / "a" / "metrics.csv", False)
+    evaluated = [int(r["step"]) for r in _csv(tmp_path / "a" / "metrics.csv") if r["metric"] == "eval_loss"]
+    assert evaluated == list(range(8, 3 * 23 + 1, 8)), "every 8th step of 3 epochs of 23 steps, once each"
+    epoch_rows = [r for r in _csv(tmp_path / "a" / "metrics.csv") if r["metric"] == "validation_loss"]
+    assert len(epoch_rows) == 3, "eval_ numbers are not written again at the epochs' ends"
     assert _scalars(tmp_path / "b" / "tb", False) == _scalars(tmp_path / "a" / "tb", False)

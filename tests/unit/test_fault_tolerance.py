@@ -77,9 +77,9 @@ def _callback_events(fault_tolerance: Any, checkpoint_dir: Path) -> list[tuple[s
     return events
 
 
-def _stopped_mid_epoch(fault_tolerance: Any) -> tuple[int, list[float]]:
-    """(steps taken, train losses) of fit(3) on a tenth of the digits (4 steps an epoch) whose callback sets
-    should_stop after step 2."""
+def _stopped_mid_epoch(fault_tolerance: Any, max_steps: int | None = None) -> tuple[int, int, list[float], float]:
+    """(steps taken, epochs ended, train losses, last step's loss) of fit(3) on a tenth of the digits (4 steps an
+    epoch) whose callback sets should_stop after step 2; with ``max_steps``, fit(3, max_steps=...) without it."""
     from torch.utils.data import DataLoader, Subset
 
     from ddpkit import Callback
@@ -91,16 +91,17 @@ def _stopped_mid_epoch(fault_tolerance: Any) -> tuple[int, list[float]]:
 
     train_set, _ = digits_datasets(seed=0)
     loader = DataLoader(Subset(train_set, range(128)), batch_size=16)
+    torch.manual_seed(0)  # the same first weights in every run
     loop = _digits_loop(loader=loader, fault_tolerance=fault_tolerance, global_batch_size=32)
-    history = loop.fit(3, callbacks=[StopAtTwo()])
-    return loop.global_step, history["train_loss"]
+    history = loop.fit(3, callbacks=None if max_steps else [StopAtTwo()], max_steps=max_steps)
+    return loop.global_step, loop.epoch, history.get("train_loss", []), loop.step_loss
 
 
 def test_a_fault_tolerant_trainloop_calls_the_callbacks_when_the_ddp_loop_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once per epoch trained, on_epoch_begin before its first step (also when a checkpoint resumes it), as
-    the DDP loop; should_stop set in the middle of an epoch ends fit after that epoch, as in the DDP loop; one
+    the DDP loop; should_stop set in the middle of an epoch ends fit after that step, as in the DDP loop; one
     group alone in its quorum, in this process."""
     from ddpkit._secret import SECRET_VARIABLE, new_job_secret
 
@@ -111,13 +112,19 @@ def test_a_fault_tolerant_trainloop_calls_the_callbacks_when_the_ddp_loop_does(
         tolerant = _callback_events(TorchFT(lighthouse.address, "r0", timeout=10), tmp_path / "ft")
     with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:  # a new job: a lighthouse of its own
         tolerant_stop = _stopped_mid_epoch(TorchFT(lighthouse.address, "r0", timeout=10))
+    plain_budget = _stopped_mid_epoch(None, max_steps=6)
+    with serve_lighthouse("127.0.0.1", min_replicas=1) as lighthouse:
+        tolerant_budget = _stopped_mid_epoch(TorchFT(lighthouse.address, "r0", timeout=10), max_steps=6)
     assert plain == [("train_begin", 0), ("epoch_begin", 0), ("epoch_end", 0), ("train_end", 1),
                      ("train_begin", 1), ("epoch_begin", 1), ("epoch_end", 1), ("train_end", 2)]  # fmt: skip
     assert tolerant == plain
-    assert plain_stop[0] == 4, "the DDP loop ends the epoch in which it was stopped"
-    assert len(plain_stop[1]) == 1
-    assert tolerant_stop[0] == plain_stop[0]
-    assert tolerant_stop[1] == pytest.approx(plain_stop[1], rel=1e-6)
+    assert plain_stop[:3] == (2, 0, []), "the DDP loop stops after the step in which it was stopped"
+    assert tolerant_stop[:3] == plain_stop[:3]
+    assert tolerant_stop[3] == pytest.approx(plain_stop[3], rel=1e-6)
+    assert plain_budget[:2] == (6, 1), "max_steps=6: one epoch of 4 steps, then 2 of the second"
+    assert tolerant_budget[:2] == plain_budget[:2]
+    assert tolerant_budget[2] == pytest.approx(plain_budget[2], rel=1e-6)
+    assert tolerant_budget[3] == pytest.approx(plain_budget[3], rel=1e-6)
 
 
 def test_a_fault_tolerant_trainloop_shows_its_progress_and_says_its_epochs_in_the_writing_group(

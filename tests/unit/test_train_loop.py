@@ -90,6 +90,61 @@ def test_bad_arguments_are_refused_with_the_values() -> None:
         TrainLoop(_model(), DataLoader(train), checkpoint_every=0)
 
 
+def test_a_step_budget_bounds_the_epochs_and_an_epoch_ending_at_an_evaluation_reuses_it() -> None:
+    """max_steps with num_epochs: whichever comes first. Epochs of 10 steps (640 items in batches of 64):
+    evaluate_every=5 evaluates after steps 5, 10, 15 and 20, and each epoch's validation metrics are its last
+    step's (the same weights, evaluated once)."""
+    from torch.utils.data import Subset
+
+    train, val = digits_datasets(seed=0)
+    evaluations: list[int] = []
+
+    class Counting(TrainLoop):
+        def evaluate(self, loader: Any = None) -> dict[str, float]:
+            evaluations.append(self.global_step)
+            return super().evaluate(loader)
+
+    def loop(**arguments: Any) -> TrainLoop:
+        model = _model()
+        return Counting(model, DataLoader(Subset(train, range(640)), batch_size=64), DataLoader(val, batch_size=100),
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), progress=False, **arguments)  # fmt: skip
+
+    bounded = loop()
+    bounded.fit(5, max_steps=13)
+    assert (bounded.global_step, bounded.epoch) == (13, 1), "max_steps came first"
+    assert evaluations == [10]
+    evaluations.clear()
+    epochs_first = loop(evaluate_every=5)
+    history = epochs_first.fit(2, max_steps=1000)
+    assert (epochs_first.global_step, epochs_first.epoch) == (20, 2), "num_epochs came first"
+    assert evaluations == [5, 10, 15, 20], "epochs ending at steps 10 and 20 reuse those steps' evaluations"
+    assert history["eval_step"] == [5.0, 10.0, 15.0, 20.0]
+    assert history["validation_loss"] == [history["eval_loss"][1], history["eval_loss"][3]]
+    assert history["eval_loss"][0] != history["eval_loss"][1]
+    steps_only = loop()
+    assert "train_loss" in steps_only.fit(max_steps=25)
+    assert steps_only.global_step == 25
+    assert steps_only.epoch == 2, "two whole epochs, then five steps of the third"
+
+
+def test_bad_budgets_are_refused_with_the_values() -> None:
+    train, val = digits_datasets(seed=0)
+    loop = TrainLoop(_model(), DataLoader(train, batch_size=64), progress=False)
+    with pytest.raises(ValueError, match="fit needs num_epochs or max_steps"):
+        loop.fit()
+    with pytest.raises(ValueError, match=r"max_steps=0 must be >= 1 optimizer steps"):
+        loop.fit(max_steps=0)
+    with pytest.raises(ValueError, match=r"num_epochs=0 and grad_accumulation=1 must be >= 1"):
+        loop.fit(0, max_steps=5)
+    with pytest.raises(ValueError, match=r"max_steps=-1 must be >= 1"):
+        loop.fit_distributed(2, max_steps=-1)
+    with pytest.raises(ValueError, match=r"evaluate_every=0 must be >= 1 optimizer steps"):
+        TrainLoop(_model(), DataLoader(train), DataLoader(val), evaluate_every=0)
+    with pytest.raises(ValueError, match=r"evaluate_every=5 evaluates the validation split: pass a validation_loader"):
+        TrainLoop(_model(), DataLoader(train), evaluate_every=5)
+    assert loop.global_step == 0
+
+
 # --- failures inside the loop -------------------------------------------------------------------------------
 
 

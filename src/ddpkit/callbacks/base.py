@@ -26,12 +26,14 @@ class TrainLoopView(Protocol):
     epoch: int
     #: Optimizer steps taken in all.
     global_step: int
-    #: Per epoch: ``train_loss``, ``validation_<metric>``, ``items_per_second`` and ``peak_memory_mib``.
+    #: Per epoch: ``train_loss``, ``validation_<metric>``, ``items_per_second`` and ``peak_memory_mib``; per
+    #: ``evaluate_every`` evaluation: ``eval_step`` and ``eval_<metric>``.
     history: dict[str, list[float]]
     #: This rank's (sum of sample losses, samples) in the last optimizer step (float64, shape ``(2,)``, on the
     #: loss's device: reading it waits for the device).
     step_loss: torch.Tensor
-    #: Set it (on every rank) to end training after this epoch.
+    #: Set it (on every rank) to end training: in ``on_batch_end`` after this optimizer step (its checkpoint
+    #: written), in ``on_epoch_end`` after this epoch.
     should_stop: bool
     #: What the last optimizer step measured besides its loss, the same on every rank: ``lr`` (with a
     #: learning-rate scheduler), ``grad_norm`` (before clipping, with gradient clipping); a value the step kept on

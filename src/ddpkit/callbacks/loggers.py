@@ -2,7 +2,8 @@
 
 Both write from rank 0 only, each value once: per epoch every number of
 ``TrainLoop.history`` (``train_loss``, ``validation_<metric>``) as it is there,
-and every ``log_every_n_steps`` optimizer steps the step's training loss, the
+each ``evaluate_every`` evaluation's ``eval_<metric>`` at its step, and every
+``log_every_n_steps`` optimizer steps the step's training loss, the
 mean over every sample of every rank in that step (``train_loss_step``), and
 what else the step measured (``lr_step`` with a scheduler, ``grad_norm_step``
 with gradient clipping). The step axis is
@@ -33,14 +34,28 @@ class _MetricsLogger(Callback):
         if log_every_n_steps < 0:
             raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 0 (0: no per-step loss)")
         self.log_every_n_steps = log_every_n_steps
+        self._evaluations = 0  # of history's eval_step, those written
 
     @override
     def on_train_begin(self, train_loop: TrainLoopView) -> None:
+        self._evaluations = len(train_loop.history.get("eval_step", ()))  # a resumed run's were written
         if get_rank() == 0:
             self._open(train_loop.global_step)
 
+    def _write_evaluations(self, train_loop: TrainLoopView) -> None:
+        """The ``evaluate_every`` evaluations not written yet, each at its step (they run after ``on_batch_end``:
+        written at the next event)."""
+        steps = train_loop.history.get("eval_step", [])
+        names = [name for name in train_loop.history if name.startswith("eval_") and name != "eval_step"]
+        for index in range(self._evaluations, len(steps)):
+            if get_rank() == 0:
+                values = {name: train_loop.history[name][index] for name in names}
+                self._write(values, train_loop.epoch + 1, int(steps[index]))
+        self._evaluations = len(steps)
+
     @override
     def on_batch_end(self, train_loop: TrainLoopView) -> None:
+        self._write_evaluations(train_loop)
         every = self.log_every_n_steps
         if every and train_loop.global_step % every == 0:
             total, count = sync_ddp(train_loop.step_loss.clone()).tolist()  # every rank: one small all-reduce
@@ -50,12 +65,15 @@ class _MetricsLogger(Callback):
 
     @override
     def on_epoch_end(self, train_loop: TrainLoopView) -> None:
+        self._write_evaluations(train_loop)
         if get_rank() == 0:
-            values = {name: values[-1] for name, values in train_loop.history.items() if values}
+            history = train_loop.history
+            values = {name: values[-1] for name, values in history.items() if values and not name.startswith("eval_")}
             self._write(values, train_loop.epoch + 1, train_loop.global_step)
 
     @override
     def on_train_end(self, train_loop: TrainLoopView) -> None:
+        self._write_evaluations(train_loop)
         if get_rank() == 0:
             self._close()
 

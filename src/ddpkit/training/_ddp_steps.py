@@ -14,7 +14,7 @@ import torch
 from ddpkit.checkpoint import rng_state
 from ddpkit.collectives import all_gather_object, mp_sync, sync_ddp
 from ddpkit.process_group import get_rank, is_distributed
-from ddpkit.training._driver import Batch, CommittedStep, EpochTotals, Step, peak_memory
+from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, peak_memory
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._steps import StepPlan, average_gradients
 
@@ -46,7 +46,7 @@ class DDPSteps:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def epoch(self, position: int, num_epochs: int) -> Iterator[Step]:
+    def epoch(self, position: int, budget: Budget) -> Iterator[Step]:
         """The epoch's steps from ``position``: this rank's loader batches up to each step's end, then (with a
         global batch whose last step not every rank has a batch in) a final step averaged explicitly."""
         loop, epochs = self.run.loop, self.run.epochs

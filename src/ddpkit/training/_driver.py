@@ -15,7 +15,49 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Batch", "CommittedStep", "EpochTotals", "LossSums", "Step", "StepDriver", "peak_memory"]
+__all__ = ["Batch", "Budget", "CommittedStep", "EpochTotals", "LossSums", "Step", "StepDriver", "peak_memory"]
+
+
+class _Where(Protocol):
+    """Where a run stands (a ``RunState``)."""
+
+    epoch: int
+    global_step: int
+    should_stop: bool
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long a ``fit`` trains: until ``num_epochs`` epochs or ``max_steps`` optimizer steps (counted from the
+    run's first, a resumed run's included) are done, whichever comes first (``None``: no bound of that kind), or
+    until a callback sets ``should_stop``.
+
+    Raises:
+        ValueError: neither bound, or one below 1.
+    """
+
+    num_epochs: int | None
+    max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_epochs is None and self.max_steps is None:
+            raise ValueError("fit needs num_epochs or max_steps (or both: it stops at whichever comes first)")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"num_epochs={self.num_epochs} must be >= 1 (or None)")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 1 optimizer steps (or None)")
+
+    def done(self, state: _Where) -> bool:
+        """Whether the run stops where ``state`` is (checked after each optimizer step and each epoch)."""
+        return (
+            state.should_stop
+            or (self.num_epochs is not None and state.epoch >= self.num_epochs)
+            or (self.max_steps is not None and state.global_step >= self.max_steps)
+        )
+
+    def epoch_text(self, epoch: int) -> str:
+        """``epoch  3/10`` (``epoch`` 0-based), ``epoch  3`` without ``num_epochs``."""
+        return f"epoch {epoch + 1:>2}" + (f"/{self.num_epochs}" if self.num_epochs is not None else "")
 
 
 @dataclass
@@ -199,7 +241,7 @@ class StepDriver(Protocol):
     def saves(self) -> bool:
         """Whether this process calls the checkpoint's capture (every rank: a collective; the writing group)."""
 
-    def epoch(self, position: int, num_epochs: int) -> Iterator[Step]:
+    def epoch(self, position: int, budget: Budget) -> Iterator[Step]:
         """The steps of the run's current epoch from entry ``position`` on."""
 
     def epoch_totals(self) -> EpochTotals:

@@ -38,7 +38,7 @@ from ddpkit.fault_tolerance._quorums import JobEnded, group_name
 from ddpkit.process_group import get_rank, get_world_size
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
 from ddpkit.training._ahead import ShareLoader, shares
-from ddpkit.training._driver import Batch, CommittedStep, EpochTotals, Step, peak_memory
+from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, peak_memory
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import TrainState
 
@@ -117,7 +117,7 @@ class FaultTolerantSteps:
         #: SLURM's signals reach a group's ranks through its node's ``ddpkit run --fault-tolerance`` and agent.
         self.forwarded = True
         self._group: ReplicaGroup | None = None
-        self._num_epochs: int | None = None  # the fit's, once its epochs began
+        self._budget: Budget | None = None  # the fit's, once its epochs began
         self._orders: dict[int, torch.Tensor] = {}
         self._members: tuple[str, ...] = ()
         self._processes: tuple[str, ...] = ()
@@ -176,7 +176,7 @@ class FaultTolerantSteps:
 
     def __exit__(self, *exc: object) -> None:
         state = self.loop.state
-        trained = self._num_epochs is not None and (state.epoch >= self._num_epochs or state.should_stop)
+        trained = self._budget is not None and self._budget.done(state)
         if exc[0] is None and trained and self._group is not None:
             self._group.finish()  # a group that starts or comes back after this trains nothing
         self.data.close()
@@ -211,11 +211,11 @@ class FaultTolerantSteps:
         it writes the checkpoint together: rank 0 writes, the others wait)."""
         return self._writing_group
 
-    def epoch(self, position: int, num_epochs: int) -> Iterator[Step]:
+    def epoch(self, position: int, budget: Budget) -> Iterator[Step]:
         """The steps of the run's current epoch from ``position``, one quorum each, until its order is done. A
         recovering group takes its peer's epoch and position in a commit and goes on from there."""
         assert self._group is not None, "FaultTolerantSteps.epoch outside its with block"
-        self.position, self._num_epochs = position, num_epochs
+        self.position, self._budget = position, budget
         self._job_sums, self._job_tokens, self._times = torch.zeros(2, dtype=torch.float64), 0.0, {}
         while self.position < len(self._order(self.loop.state.epoch)):
             yield _QuorumStep(self, self._group)

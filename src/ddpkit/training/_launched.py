@@ -12,6 +12,7 @@ from torch import nn
 from ddpkit.callbacks import Callback
 from ddpkit.checkpoint import set_rng_state
 from ddpkit.process_group import get_rank
+from ddpkit.training._driver import Budget
 from ddpkit.training._state import RunState
 
 __all__ = ["Fits", "Result", "fit_worker"]
@@ -30,7 +31,12 @@ class Fits(Protocol):
     fault_tolerance: Any
 
     def fit(
-        self, num_epochs: int, grad_accumulation: int = 1, callbacks: list[Callback] | None = None
+        self,
+        num_epochs: int | None = None,
+        grad_accumulation: int = 1,
+        callbacks: list[Callback] | None = None,
+        *,
+        max_steps: int | None = None,
     ) -> dict[str, list[float]]: ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
@@ -38,7 +44,7 @@ class Fits(Protocol):
 
 def fit_worker(
     loop: Fits,
-    num_epochs: int,
+    budget: Budget,
     grad_accumulation: int,
     callbacks: list[Callback] | None,
     every_rank: bool,
@@ -52,7 +58,7 @@ def fit_worker(
         # Set up by an earlier fit in this process: start anew, as a spawned worker does with the pickled
         # loop, which comes without its sharding and DDP wrapper (TrainLoop.__getstate__).
         loop = pickle.loads(pickle.dumps(loop))
-    loop.fit(num_epochs, grad_accumulation, callbacks)
+    loop.fit(budget.num_epochs, grad_accumulation, callbacks, max_steps=budget.max_steps)
     send = every_rank or get_rank() == 0  # spawned workers: only rank 0's copy travels back
     full = loop.full_state_dict()  # every rank: a sharded model's are gathered
     weights = full if send else None

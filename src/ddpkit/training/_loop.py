@@ -29,7 +29,7 @@ from ddpkit.jobs.launch import StartMethod
 from ddpkit.plotting import plot_history
 from ddpkit.process_group import ensure_dist_connection, rank_device
 from ddpkit.training._ddp_steps import DDPSteps
-from ddpkit.training._driver import StepDriver
+from ddpkit.training._driver import Budget, StepDriver
 from ddpkit.training._fault_tolerant import FaultTolerantSteps
 from ddpkit.training._new_processes import fit_elsewhere
 from ddpkit.training._preemption import PreemptionHandler
@@ -61,7 +61,14 @@ class TrainLoop:
             the exact batch, with model, optimizer, sampler epochs and every rank's
             RNG state restored.
         checkpoint_every: also checkpoint every this many optimizer steps (besides
-            each epoch's end).
+            each epoch's end and where ``fit`` stops inside an epoch).
+        evaluate_every: also evaluate the validation split after every this many
+            optimizer steps (besides each epoch's end; Lightning's integer
+            ``val_check_interval``, Hugging Face's ``eval_steps``), exactly as
+            at an epoch's end (every item once, in order, the same on every
+            rank): ``history["eval_step"]`` and ``history["eval_<name>"]`` hold
+            each one, and rank 0 prints a line. An epoch that ends at such a
+            step reuses its metrics. Needs a ``validation_loader``.
         seed: seeds the data order: each epoch's from ``seed`` and the epoch
             (the position shuffle as ``DistributedSampler(seed=seed)``).
         progress: show a progress bar on rank 0.
@@ -184,6 +191,7 @@ class TrainLoop:
         plugin: DDPPlugin | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int | None = None,
+        evaluate_every: int | None = None,
         seed: int = 0,
         progress: bool = True,
         global_batch_size: int | None = None,
@@ -200,6 +208,12 @@ class TrainLoop:
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
+        if evaluate_every is not None and evaluate_every < 1:
+            raise ValueError(f"evaluate_every={evaluate_every} must be >= 1 optimizer steps (or None)")
+        if evaluate_every is not None and validation_loader is None:
+            raise ValueError(
+                f"evaluate_every={evaluate_every} evaluates the validation split: pass a validation_loader"
+            )
         #: The torchft settings this process trains as one replica group with (``None``: plain DDP).
         self.fault_tolerance = torchft_settings(fault_tolerance)
         self.global_batch = GlobalBatch.of(global_batch_size, fault_tolerant=self.fault_tolerance is not None)
@@ -225,6 +239,7 @@ class TrainLoop:
             )
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
+        self.evaluate_every = evaluate_every
         self.seed = seed
         self.progress = progress
         self.preemption = PreemptionHandler(requeue)
@@ -288,9 +303,15 @@ class TrainLoop:
     # --- training ----------------------------------------------------------------------------------
 
     def fit(
-        self, num_epochs: int, grad_accumulation: int = 1, callbacks: list[Callback] | None = None
+        self,
+        num_epochs: int | None = None,
+        grad_accumulation: int = 1,
+        callbacks: list[Callback] | None = None,
+        *,
+        max_steps: int | None = None,
     ) -> dict[str, list[float]]:
-        """Train for ``num_epochs`` epochs (in all, counting those a checkpoint already holds).
+        """Train for ``num_epochs`` epochs or ``max_steps`` optimizer steps, whichever comes first (in all, counting
+        those a checkpoint already holds), or until a callback sets ``should_stop``.
 
         In a process that a launcher started as one of several ranks (torchrun,
         ``ddpkit run``, ``srun``, ``mpirun``) it first creates the default
@@ -300,23 +321,36 @@ class TrainLoop:
         call it: the model is wrapped in DDP and the loaders are sharded. A
         process alone trains in this process.
 
+        A run that ends inside an epoch (``max_steps``, or ``should_stop`` set in
+        ``on_batch_end``) ends after that step's ``on_batch_end``, its evaluation
+        (``evaluate_every``) and its checkpoint (with a ``checkpoint_dir``, always
+        written there); the rank 0 prints where it stopped and the train loss of the
+        epoch's steps so far, and the epoch gets no ``history`` entry yet: a run
+        resumed from that checkpoint goes on inside it, to the same result as a run
+        never stopped.
+
         Args:
-            num_epochs: the epoch to stop after.
+            num_epochs: the epoch to stop after (``None``: as many as ``max_steps`` takes).
             grad_accumulation: batches per optimizer step; the loss of each is
                 divided by it, and the non-final ones skip DDP's all-reduce.
             callbacks: :class:`~ddpkit.Callback` instances to add.
+            max_steps: the optimizer step to stop after (Lightning's and Hugging
+                Face's ``max_steps``; default ``None``: every step of ``num_epochs``).
 
         Returns:
             :attr:`history`: per epoch, ``train_loss`` (mean over all ranks' samples)
-            and the validation metrics.
+            and the validation metrics; per ``evaluate_every`` evaluation,
+            ``eval_step`` and the metrics as ``eval_<name>``.
 
         Raises:
-            ValueError: ``num_epochs < 1`` or ``grad_accumulation < 1``; or
-                ``grad_accumulation`` besides ``global_batch_size`` (which sets
-                it), or a world size that cannot reach ``global_batch_size``.
+            ValueError: neither ``num_epochs`` nor ``max_steps``, either below 1, or
+                ``grad_accumulation < 1``; or ``grad_accumulation`` besides
+                ``global_batch_size`` (which sets it), or a world size that cannot
+                reach ``global_batch_size``.
         """
-        if num_epochs < 1 or grad_accumulation < 1:
+        if (num_epochs is not None and num_epochs < 1) or grad_accumulation < 1:
             raise ValueError(f"num_epochs={num_epochs} and grad_accumulation={grad_accumulation} must be >= 1")
+        budget = Budget(num_epochs, max_steps)
         if self.global_batch is not None:
             self.global_batch.check_no_accumulation(grad_accumulation)
         ensure_dist_connection()  # under torchrun, srun, mpirun...: one job, not N copies
@@ -326,16 +360,17 @@ class TrainLoop:
             if self.fault_tolerance is not None
             else DDPSteps(self._run, grad_accumulation)
         )
-        self._run.resume(num_epochs)
-        return self._run.run_epochs(driver, num_epochs)
+        self._run.resume(budget)
+        return self._run.run_epochs(driver, budget)
 
     def fit_distributed(
         self,
-        num_epochs: int,
+        num_epochs: int | None = None,
         num_processes: int = 2,
         grad_accumulation: int = 1,
         callbacks: list[Callback] | None = None,
         *,
+        max_steps: int | None = None,
         backend: str | None = None,
         max_restarts: int = 0,
         timeout: float | None = None,
@@ -358,7 +393,7 @@ class TrainLoop:
         ``num_processes`` is ignored.
 
         Args:
-            num_epochs, grad_accumulation, callbacks: as for :meth:`fit`.
+            num_epochs, grad_accumulation, callbacks, max_steps: as for :meth:`fit`.
             num_processes: worker processes (default 2).
             backend: the process-group backend (default: NCCL on GPUs, else gloo).
             max_restarts: restarts of all workers after a failure or a hang.
@@ -385,7 +420,8 @@ class TrainLoop:
         ``start_method`` only ``"spawn"``.
 
         Raises:
-            ValueError: with ``fault_tolerance``: ``grad_accumulation`` or ``rdzv_conf`` given, ``nnodes`` other
+            ValueError: a budget :meth:`fit` refuses (before any process starts); with ``fault_tolerance``:
+                ``grad_accumulation`` or ``rdzv_conf`` given, ``nnodes`` other
                 than a whole number, ``nnodes`` above 1 without ``rdzv_endpoint`` (or an endpoint with one node),
                 another ``backend`` or ``start_method``, ``timeout=0``, a scheduler started this process, or no
                 job secret on several nodes (the message names each).
@@ -393,7 +429,8 @@ class TrainLoop:
             WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
         """
         weights, self.state = fit_elsewhere(
-            self, num_epochs, num_processes, grad_accumulation, callbacks, backend=backend, max_restarts=max_restarts,
+            self, Budget(num_epochs, max_steps), num_processes, grad_accumulation, callbacks, backend=backend,
+            max_restarts=max_restarts,
             timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,
         )  # fmt: skip
         if weights is not None:  # this node ran rank 0 (or a replica group finished)

@@ -11,9 +11,10 @@ from typing import Any
 
 from ddpkit.errors import DDPKitError
 from ddpkit.process_group import get_rank
+from ddpkit.training._driver import Budget, EpochTotals
 from ddpkit.training._state import RunState
 
-__all__ = ["epoch_line", "skipped_model_error", "straggler_text"]
+__all__ = ["epoch_line", "evaluation_line", "resume_line", "skipped_model_error", "stop_line", "straggler_text"]
 
 
 def skipped_model_error(method: Callable[..., Any], state: RunState, index: int) -> DDPKitError:
@@ -39,14 +40,14 @@ def straggler_text(step_times: list[float], names: list[str] | None = None) -> s
 
 
 def epoch_line(
-    epoch: int, num_epochs: int, loss: float, metrics: dict[str, float], step_times: list[float],
+    epoch: str, loss: float, metrics: dict[str, float], step_times: list[float],
     names: list[str] | None = None, items_per_second: float | None = None, peak_memory: list[int] | None = None,
     tokens_per_second: float | None = None,
 ) -> str:  # fmt: skip
     """``epoch  2/10  train loss 0.1234  validation accuracy 0.9600  5230 items/s  41840 tokens/s  peak memory
-    310-322 MiB/rank (most: rank 1)  load+forward ...`` (``epoch`` 0-based; ``names``: whose ``step_times`` they
-    are, default ranks 0, 1, ...; ``peak_memory``: bytes, by rank, or this process's alone)."""
-    parts = [f"epoch {epoch + 1:>2}/{num_epochs}", f"train loss {loss:.4f}"]
+    310-322 MiB/rank (most: rank 1)  load+forward ...`` (``epoch``: ``Budget.epoch_text``; ``names``: whose
+    ``step_times`` they are, default ranks 0, 1, ...; ``peak_memory``: bytes, by rank, or this process's alone)."""
+    parts = [epoch, f"train loss {loss:.4f}"]
     parts += [f"validation {name} {value:.4f}" for name, value in metrics.items()]
     if items_per_second is not None and items_per_second == items_per_second:  # not nan
         parts.append(f"{items_per_second:.0f} items/s")
@@ -71,18 +72,45 @@ def memory_text(peak_memory: list[int]) -> str:
     return f"peak memory {min(mib)}-{max(mib)} MiB/rank (most: rank {most})"
 
 
-def resume_line(state: RunState, checkpoint_dir: Path | None, num_epochs: int) -> str:
+def resume_line(state: RunState, checkpoint_dir: Path | None, budget: Budget) -> str:
     """What a ``TrainLoop`` that found a checkpoint in ``checkpoint_dir`` does with it: resume, or nothing when
-    it is finished (``state``: the run state restored from it)."""
-    epoch = state.epoch
-    if epoch >= num_epochs:
+    it is finished (``state``: the run state restored from it; ``budget``: the fit's)."""
+    epoch, steps = state.epoch, state.global_step
+    if budget.max_steps is not None and steps >= budget.max_steps:
         return (
-            f"already trained {epoch} of {num_epochs} epochs in {checkpoint_dir}; nothing to do: delete it, "
+            f"already trained {steps} of max_steps={budget.max_steps} optimizer steps in {checkpoint_dir}; nothing "
+            "to do: delete it, pass a new checkpoint_dir, or ask for more steps"
+        )
+    if budget.num_epochs is not None and epoch >= budget.num_epochs:
+        return (
+            f"already trained {epoch} of {budget.num_epochs} epochs in {checkpoint_dir}; nothing to do: delete it, "
             "pass a new checkpoint_dir, or ask for more epochs"
         )
     position = state.resume_position
     where = f", {position} entries into it" if position else ""
+    of = f" of {budget.max_steps}" if budget.max_steps is not None else ""
     return (
-        f"resuming from {checkpoint_dir}: epoch {epoch + 1}/{num_epochs}{where}, "
-        f"after {state.global_step} optimizer steps"
+        f"resuming from {checkpoint_dir}: {budget.epoch_text(epoch).replace('  ', ' ')}{where}, "
+        f"after {steps}{of} optimizer steps"
     )
+
+
+def evaluation_line(epoch: int, step: int, metrics: dict[str, float]) -> str:
+    """``step 200 (epoch 3)  validation loss 0.1234  validation accuracy 0.9600``: an evaluation after a step
+    (``epoch`` 0-based)."""
+    return "  ".join([f"step {step} (epoch {epoch + 1})", *(f"validation {n} {v:.4f}" for n, v in metrics.items())])
+
+
+def stop_line(state: RunState, budget: Budget, totals: EpochTotals, items_per_second: float) -> str:
+    """``epoch  3/10  stopped after step 30 (max_steps=30)  train loss 0.4321 over its first 480 items  5230
+    items/s``: a run that ends inside an epoch (``totals``: the epoch's so far)."""
+    why = "max_steps" if budget.max_steps is not None and state.global_step >= budget.max_steps else "should_stop"
+    reason = f"max_steps={budget.max_steps}" if why == "max_steps" else "a callback set should_stop"
+    parts = [
+        budget.epoch_text(state.epoch),
+        f"stopped after step {state.global_step} ({reason})",
+        f"train loss {totals.loss:.4f} over its first {totals.items:.0f} items",
+    ]
+    if items_per_second == items_per_second:  # not nan
+        parts.append(f"{items_per_second:.0f} items/s")
+    return "  ".join(parts)

@@ -8,6 +8,7 @@ from typing import Any
 from ddpkit.callbacks import Callback
 from ddpkit.checkpoint import rng_state
 from ddpkit.jobs.launch import launch, scheduler_environment, start_forkserver
+from ddpkit.training._driver import Budget
 from ddpkit.training._launched import Fits, Result, fit_worker
 from ddpkit.training._replica_groups import fit_replica_groups
 from ddpkit.training._state import RunState
@@ -16,7 +17,7 @@ __all__ = ["fit_elsewhere", "fit_on_new_processes"]
 
 
 def fit_elsewhere(
-    loop: Fits, num_epochs: int, num_processes: int, grad_accumulation: int, callbacks: list[Callback] | None,
+    loop: Fits, budget: Budget, num_processes: int, grad_accumulation: int, callbacks: list[Callback] | None,
     *, max_restarts: int, **launch_options: Any,
 ) -> Result:  # fmt: skip
     """``fit_distributed``'s run: on new processes (:func:`fit_on_new_processes`), or with fault tolerance as
@@ -24,11 +25,11 @@ def fit_elsewhere(
     settings = loop.fault_tolerance
     if settings is None:
         weights, state = fit_on_new_processes(
-            loop, num_epochs, num_processes, grad_accumulation, callbacks, max_restarts=max_restarts, **launch_options
+            loop, budget, num_processes, grad_accumulation, callbacks, max_restarts=max_restarts, **launch_options
         )
     else:
         weights, state = fit_replica_groups(
-            loop, settings, num_epochs, num_processes, callbacks, max_restarts, grad_accumulation=grad_accumulation,
+            loop, settings, budget, num_processes, callbacks, max_restarts, grad_accumulation=grad_accumulation,
             **launch_options,
         )  # fmt: skip
     state.history = defaultdict(list, state.history)
@@ -37,7 +38,7 @@ def fit_elsewhere(
 
 def fit_on_new_processes(
     loop: Fits,
-    num_epochs: int,
+    budget: Budget,
     num_processes: int,
     grad_accumulation: int,
     callbacks: list[Callback] | None,
@@ -53,7 +54,7 @@ def fit_on_new_processes(
     if not in_this_process and launch_options.get("start_method") == "forkserver":
         start_forkserver("torch._dynamo")  # DDP's constructor imports it: 2 s per worker otherwise
     results = launch(
-        fit_worker, loop, num_epochs, grad_accumulation, callbacks, in_this_process, rng_state(),
+        fit_worker, loop, budget, grad_accumulation, callbacks, in_this_process, rng_state(),
         nprocs=None if in_this_process else num_processes, **launch_options,
     )  # fmt: skip
     state: RunState

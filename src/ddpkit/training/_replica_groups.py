@@ -28,6 +28,7 @@ from ddpkit.errors import WorkerFailedError
 from ddpkit.fault_tolerance import TorchFT
 from ddpkit.fault_tolerance._job import Child, StartGroup, job_shape_problems, run_node_group, run_replica_groups
 from ddpkit.jobs.launch import launch, scheduler_environment
+from ddpkit.training._driver import Budget
 from ddpkit.training._launched import Fits, Result, fit_worker
 from ddpkit.training._state import RunState
 
@@ -40,7 +41,7 @@ _Sent = tuple[str, RunState, dict[str, torch.Tensor] | None]
 
 
 def fit_replica_groups(
-    loop: Fits, settings: TorchFT, num_epochs: int, num_processes: int, callbacks: list[Callback] | None,
+    loop: Fits, settings: TorchFT, budget: Budget, num_processes: int, callbacks: list[Callback] | None,
     max_restarts: int, **launch_arguments: Any,
 ) -> Result:  # fmt: skip
     """Train ``loop`` as ``num_processes`` replica groups of one process on this machine, each started again
@@ -58,7 +59,7 @@ def fit_replica_groups(
     # Each group takes the lighthouse and its own id from the variables its process is given.
     groups_loop.fault_tolerance = replace(settings, lighthouse=None, replica_id=None)
     results = _Results()
-    start = _function_groups(results, groups_loop, num_epochs, callbacks, max_restarts)
+    start = _function_groups(results, groups_loop, budget, callbacks, max_restarts)
     nodes, endpoint = int(launch_arguments["nnodes"]), launch_arguments["rdzv_endpoint"]
     if nodes > 1:  # this node's group
         statuses = [run_node_group(start, nnodes=nodes, endpoint=endpoint, nprocs=num_processes,
@@ -152,7 +153,7 @@ class _GroupProcess:
 
 
 def _function_groups(
-    results: _Results, loop: Fits, num_epochs: int, callbacks: list[Callback] | None, max_restarts: int
+    results: _Results, loop: Fits, budget: Budget, callbacks: list[Callback] | None, max_restarts: int
 ) -> StartGroup:
     """Start each group as a spawned process that launches ``loop.fit`` on its ranks (every group from this
     process's random state, as DDP's workers)."""
@@ -161,7 +162,7 @@ def _function_groups(
     def start(replica_id: str, size: int | None, variables: dict[str, str]) -> Child:
         process = _SPAWN.Process(
             target=_run_group, name=f"replica group {replica_id}",
-            args=(variables, size or 1, max_restarts, loop, num_epochs, callbacks, random_state, results.queue),
+            args=(variables, size or 1, max_restarts, loop, budget, callbacks, random_state, results.queue),
         )  # fmt: skip
         process.start()
         return _GroupProcess(process, results)
@@ -170,13 +171,13 @@ def _function_groups(
 
 
 def _run_group(
-    variables: dict[str, str], size: int, max_restarts: int, loop: Fits, num_epochs: int,
+    variables: dict[str, str], size: int, max_restarts: int, loop: Fits, budget: Budget,
     callbacks: list[Callback] | None, random_state: dict[str, Any], sent: Any,
 ) -> None:  # fmt: skip
     """One replica group's process: its agent runs ``fit`` on its ranks (started again when one dies); then its
     rank 0's result goes to ``sent``."""
     os.environ.update(variables)  # the lighthouse, the group's id, the job secret: its ranks inherit them
-    returned = launch(_fit_group, loop, num_epochs, callbacks, random_state, nprocs=size, max_restarts=max_restarts,
+    returned = launch(_fit_group, loop, budget, callbacks, random_state, nprocs=size, max_restarts=max_restarts,
                       start_method="spawn")  # fmt: skip
     state, weights = returned[min(returned)]
     # Pickled here, the tensors' bytes with them: through the queue itself they would go as shared memory, which
@@ -187,12 +188,12 @@ def _run_group(
 
 
 def _fit_group(
-    loop: Fits, num_epochs: int, callbacks: list[Callback] | None, random_state: dict[str, Any]
+    loop: Fits, budget: Budget, callbacks: list[Callback] | None, random_state: dict[str, Any]
 ) -> tuple[RunState, dict[str, torch.Tensor] | None]:
     """A rank of a replica group: DDP's worker; a group that finds the job finished trains nothing (its
     driver's ``SystemExit(0)``) and returns no weights."""
     try:
-        return fit_worker(loop, num_epochs, 1, callbacks, False, random_state)
+        return fit_worker(loop, budget, 1, callbacks, False, random_state)
     except SystemExit as ended:
         if ended.code not in (0, None):
             raise

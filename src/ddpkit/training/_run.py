@@ -39,9 +39,9 @@ from ddpkit.fault_tolerance import TorchFT
 from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
 from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, is_distributed
 from ddpkit.process_group._seeding import reseed_torch
-from ddpkit.training._driver import Batch, CommittedStep, EpochTotals, Step, StepDriver
+from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, StepDriver
 from ddpkit.training._evaluation import predict_in_order
-from ddpkit.training._messages import epoch_line, resume_line, skipped_model_error
+from ddpkit.training._messages import epoch_line, evaluation_line, resume_line, skipped_model_error, stop_line
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Recipe
 from ddpkit.training._sources import epoch_source
@@ -66,6 +66,7 @@ class Trains(Protocol):
     plugin: DDPPlugin
     checkpoint_dir: Path | None
     checkpoint_every: int | None
+    evaluate_every: int | None
     seed: int
     progress: bool
     global_batch: GlobalBatch | None
@@ -100,6 +101,8 @@ class TrainingRun:
         self._forward_model: nn.Module | None = None  # what training_step gets: the DDP model, maybe compiled
         self._forward_calls = 0
         self._driver: StepDriver | None = None  # while it trains
+        self._budget = Budget(1)  # the fit's, while it trains
+        self._evaluated: tuple[int, dict[str, float]] | None = None  # (global step, metrics) of the last evaluation
 
     def predict(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The loop's ``predict_step`` in its precision; floating predictions come back as float32."""
@@ -167,32 +170,38 @@ class TrainingRun:
 
     # --- the epoch runner ----------------------------------------------------------------------------
 
-    def run_epochs(self, driver: StepDriver, num_epochs: int) -> dict[str, list[float]]:
-        """Train until ``num_epochs`` epochs are done (or a callback stops it) with ``driver``'s steps."""
+    def run_epochs(self, driver: StepDriver, budget: Budget) -> dict[str, list[float]]:
+        """Train until ``budget`` is spent (or a callback stops it) with ``driver``'s steps."""
         loop = self.loop
         loop.callbacks_handler.execute("on_train_begin")
-        self._driver = driver
+        self._driver, self._budget, self._evaluated = driver, budget, None
         try:
             with loop.preemption.watching(loop.checkpoint_dir is not None, driver.forwarded), driver:
-                while loop.state.epoch < num_epochs and not loop.state.should_stop:
+                while not budget.done(loop.state):
                     loop.callbacks_handler.execute("on_epoch_begin")
-                    self._run_epoch(driver, num_epochs)
+                    self._run_epoch(driver, budget)
         finally:
             self._driver = None
         loop.callbacks_handler.execute("on_train_end")
         return dict(loop.state.history)
 
-    def _run_epoch(self, driver: StepDriver, num_epochs: int) -> None:
-        """The current epoch's steps from where it stands, then its end. A commit that puts the run in another
-        epoch (a fault-tolerant group that took a peer's state) begins that one: ``on_epoch_begin`` again."""
+    def _run_epoch(self, driver: StepDriver, budget: Budget) -> None:
+        """The current epoch's steps from where it stands, then its end; or, when ``budget`` runs out after a step
+        that does not end the epoch (``max_steps``, a callback's ``should_stop``), the run's end there (the step's
+        checkpoint is written). A commit that puts the run in another epoch (a fault-tolerant group that took a
+        peer's state) begins that one: ``on_epoch_begin`` again."""
         loop, state = self.loop, self.loop.state
         epoch, start = state.epoch, state.begin_epoch()
         began = time.perf_counter()
         self.forward_model.train()
         bar: tqdm[Any] | None = None
+        stopped = False
         try:
             previous = time.perf_counter()  # each batch's time: from the last one's end (or the last step's)
-            for step in driver.epoch(start, num_epochs):
+            for step in driver.epoch(start, budget):
+                if budget.done(state):  # spent after a step that left some of the epoch: the run ends there
+                    stopped = True
+                    break
                 for batch in step.batches():
                     self.train_batch(batch, step, previous)
                     previous = time.perf_counter()
@@ -204,13 +213,16 @@ class TrainingRun:
                     loop.callbacks_handler.execute("on_epoch_begin")
                 if committed is not None:  # else not committed: the driver does it again
                     self._take_step(committed, driver)
-                    bar = self._progress(bar, driver, start, committed.position, num_epochs)
+                    bar = self._progress(bar, driver, start, committed.position, budget)
                 previous = time.perf_counter()
         finally:
             if bar is not None:
                 bar.close()
         totals = driver.epoch_totals()  # its one read of the device: the work queued is done when it returns
-        self._end_epoch(totals, time.perf_counter() - began, num_epochs, driver)
+        if stopped:
+            self._stop_in_epoch(totals, time.perf_counter() - began, driver)
+        else:
+            self._end_epoch(totals, time.perf_counter() - began, budget, driver)
 
     def train_batch(self, batch: Batch, step: Step, began: float) -> None:
         """The per-batch body: reseed, move to the device, ``training_step`` in the run's precision, backward of
@@ -233,7 +245,7 @@ class TrainingRun:
         tokens = 0.0 if loop.tokens_fn is None else _tokens(loop.tokens_fn, data, batch.weight)
         step.count(loss, batch_length(data) * batch.weight, seconds, tokens)  # padding: 0 items; no read of the loss
 
-    def _progress(self, bar: tqdm[Any] | None, driver: StepDriver, start: int, position: int, num_epochs: int
+    def _progress(self, bar: tqdm[Any] | None, driver: StepDriver, start: int, position: int, budget: Budget
                   ) -> tqdm[Any] | None:  # fmt: skip
         """The epoch's bar (with ``progress``, in the leader) at ``position`` entries of the epoch's order."""
         loop = self.loop
@@ -243,14 +255,14 @@ class TrainingRun:
             source = self.epochs.source
             bar = tqdm(
                 total=source.entry_count(), initial=start, unit="item" if source.items_per_batch else "batch",
-                leave=False, desc=f"{driver.prefix}epoch {loop.state.epoch + 1}/{num_epochs}",
+                leave=False, desc=f"{driver.prefix}{budget.epoch_text(loop.state.epoch).replace('  ', ' ')}",
             )  # fmt: skip
         bar.update(position - bar.n)
         return bar
 
     def _take_step(self, step: CommittedStep, driver: StepDriver) -> None:
-        """The optimizer step of ``step``, then ``on_batch_end``, SLURM's signals and a checkpoint every
-        ``checkpoint_every`` steps."""
+        """The optimizer step of ``step``, then ``on_batch_end``, an evaluation every ``evaluate_every`` steps,
+        SLURM's signals, and a checkpoint every ``checkpoint_every`` steps and where the run's budget ends."""
         loop, state, recipe = self.loop, self.loop.state, self.loop.recipe
         metrics: dict[str, float | torch.Tensor] = {}
         if recipe.scheduler is not None:
@@ -263,6 +275,8 @@ class TrainingRun:
         state.count_step(step.sums, outcome.taken, **metrics)
         recipe.after_step(outcome)
         loop.callbacks_handler.execute("on_batch_end")
+        if loop.evaluate_every is not None and state.global_step % loop.evaluate_every == 0:
+            self._evaluate_at_step(driver)
         if step.signal:  # SLURM's warning or stop reached some rank or group
             if driver.saves:
                 self._save_checkpoint(step.position)
@@ -271,18 +285,50 @@ class TrainingRun:
             self._save_checkpoint(step.position)
 
     def _checkpoint_due(self) -> bool:
-        """Whether the step just taken is one of every ``checkpoint_every`` (with a ``checkpoint_dir``)."""
-        every = self.loop.checkpoint_every
-        return bool(every and self.loop.checkpoint_dir is not None and self.loop.state.global_step % every == 0)
+        """Whether the step just taken is one of every ``checkpoint_every`` or the last of the run's budget (with a
+        ``checkpoint_dir``)."""
+        loop, every = self.loop, self.loop.checkpoint_every
+        if loop.checkpoint_dir is None:
+            return False
+        return bool(every and loop.state.global_step % every == 0) or self._budget.done(loop.state)
 
-    def _end_epoch(self, totals: EpochTotals, seconds: float, num_epochs: int, driver: StepDriver) -> None:
+    def _evaluate_at_step(self, driver: StepDriver) -> None:
+        """Evaluate the validation split after this step (every rank): its metrics into ``history`` as
+        ``eval_<name>`` beside ``eval_step``, and a line."""
+        loop, state = self.loop, self.loop.state
+        metrics = loop.evaluate(loop.validation_loader)
+        self._evaluated = (state.global_step, metrics)
+        state.history["eval_step"].append(float(state.global_step))
+        for name, value in metrics.items():
+            state.history[f"eval_{name}"].append(value)
+        if driver.leader:
+            line = driver.prefix + evaluation_line(state.epoch, state.global_step, metrics)
+            tqdm.write(f"{line}\n", end="")
+            log.info(line)
+
+    def _stop_in_epoch(self, totals: EpochTotals, seconds: float, driver: StepDriver) -> None:
+        """The run's end after a step that left some of the epoch (its checkpoint is written): a line with the
+        train loss of the epoch's steps so far; the epoch has not ended (no history entry, no ``on_epoch_end``):
+        a resumed run goes on inside it."""
+        state = self.loop.state
+        speed = totals.items / seconds if seconds > 0 else float("nan")
+        if driver.leader:
+            line = driver.prefix + stop_line(state, self._budget, totals, speed)
+            tqdm.write(f"{line}\n", end="")
+            log.info(line)
+
+    def _end_epoch(self, totals: EpochTotals, seconds: float, budget: Budget, driver: StepDriver) -> None:
         """The epoch's train loss, throughput and peak memory (``totals`` of its ``seconds`` of training),
         validation, schedule and line, ``on_epoch_end``, then its checkpoint."""
         loop, state = self.loop, self.loop.state
         speed = totals.items / seconds if seconds > 0 else float("nan")
         tokens = None if totals.tokens is None else totals.tokens / seconds if seconds > 0 else float("nan")
         state.history["train_loss"].append(totals.loss)
-        metrics = loop.evaluate(loop.validation_loader) if loop.validation_loader is not None else {}
+        metrics: dict[str, float] = {}
+        if self._evaluated is not None and self._evaluated[0] == state.global_step:
+            metrics = dict(self._evaluated[1])  # evaluated after this epoch's last step already: the same weights
+        elif loop.validation_loader is not None:
+            metrics = loop.evaluate(loop.validation_loader)
         for name, value in metrics.items():
             state.history[f"validation_{name}"].append(value)
         state.history["items_per_second"].append(speed)
@@ -292,8 +338,7 @@ class TrainingRun:
         self._end_epoch_recipe()
         if driver.leader:
             line = driver.prefix + epoch_line(
-                state.epoch,
-                num_epochs,
+                budget.epoch_text(state.epoch),
                 totals.loss,
                 metrics,
                 loop.step_times,
@@ -335,7 +380,7 @@ class TrainingRun:
             rngs=rngs, epoch_sums=sums, sharded=sharded,
         )  # fmt: skip
 
-    def resume(self, num_epochs: int) -> bool:
+    def resume(self, budget: Budget) -> bool:
         """Go on from the checkpoint in the loop's ``checkpoint_dir``, if there is one (every rank; rank 0 says
         where, with fault tolerance every group's); whether there was."""
         directory = self.loop.checkpoint_dir
@@ -344,7 +389,7 @@ class TrainingRun:
             return False
         self.restore(TrainState.load(path, map_location=self.loop.device), directory)
         if get_rank() == 0:
-            line = resume_line(self.loop.state, directory, num_epochs)
+            line = resume_line(self.loop.state, directory, budget)
             tqdm.write(f"{line}\n", end="")  # one write: other groups' lines may share the stream
             log.info(line)
         return True

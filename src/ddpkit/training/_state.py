@@ -82,7 +82,8 @@ class RunState:
             when the epoch began here.
         history: per epoch, ``train_loss`` and ``validation_<metric>`` (and
             ``lr``, ``skipped_steps`` when a scheduler, fp16 are used).
-        should_stop: set by a callback (on every rank) to end ``fit`` after this epoch.
+        should_stop: set by a callback (on every rank) to end ``fit``: in ``on_batch_end``, after that optimizer
+            step (its checkpoint written), in ``on_epoch_end`` after that epoch.
         step_metrics: what the last optimizer step measured besides its loss,
             the same on every rank: ``lr`` (the learning rate it used, with a
             scheduler) and ``grad_norm`` (the gradients' norm before clipping,
