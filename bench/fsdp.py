@@ -11,7 +11,11 @@ each rank holds, and sharded checkpoints against ``last.pt``, same run.
    of steps per second (target: TrainLoop FSDP >= 0.98x the hand-written loop).
 2. The bytes of parameters, gradients and Adam's state one rank holds after a step, on 1, 2 and 4 ranks
    (1 rank: what DDP holds on every rank).
-3. A checkpoint of a ~100 MB model (6 linear layers of 2048 x 2048, 24 M parameters) and its Adam state:
+3. Activation checkpointing (``FSDPPlugin(activation_checkpointing_policy={Block})``) against none, the same
+   stack over sequences of 128 (activations that matter), 2 ranks, alternating epochs: steps per second, and the
+   memory a step adds to what the rank held before it (``torch.cuda.max_memory_allocated`` on a GPU; on the CPU
+   the peak resident set size, reset through ``/proc/self/clear_refs``); epochs of a quarter of ``--steps``.
+4. A checkpoint of a ~100 MB model (6 linear layers of 2048 x 2048, 24 M parameters) and its Adam state:
    written and read sharded (``torch.distributed.checkpoint``, every rank its shards) against DDP's ``last.pt``
    (rank 0 writes the whole state with ``torch.save``; every rank reads it), 2 ranks, alternating, 3 rounds.
 """
@@ -140,6 +144,54 @@ def steps(blocks: int, count: int, device_type: str) -> dict[str, Any]:
     return rates
 
 
+def _resident_bytes(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of this process, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _added_memory(device: torch.device, run: Any) -> int:
+    """The bytes ``run()`` held at its peak beyond what this process held before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated(device) - before)
+    before = _resident_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from now
+    run()
+    return _resident_bytes("VmHWM") - before
+
+
+def recompute(blocks: int, count: int, device_type: str) -> dict[str, list[float]]:
+    """Steps per second and the memory a step adds (bytes), with and without activation checkpointing."""
+    device = rank_device() if device_type == "cuda" else torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)
+    count = max(2, count // 4)  # steps of 8x the activations: a quarter as many
+    items = count * BATCH * dist.get_world_size()
+    data = TensorDataset(torch.randn(items, 128, 32, generator=generator), torch.randint(0, 10, (items,)))
+    loops = {"none": _loop(ddpkit.FSDPPlugin(), data, device),
+             "blocks": _loop(ddpkit.FSDPPlugin(activation_checkpointing_policy={Block}), data, device)}  # fmt: skip
+    results: dict[str, list[float]] = {f"{name} {what}": [] for name in loops for what in ("rate", "memory")}
+    for loop in loops.values():  # warm up
+        _quiet(loop.fit, loop.epoch + 1)
+
+    def epoch(loop: ddpkit.TrainLoop) -> Any:
+        return lambda: _quiet(loop.fit, loop.epoch + 1)
+
+    for block in range(blocks):
+        for name in list(loops) if block % 2 == 0 else list(loops)[::-1]:
+            results[f"{name} rate"].append(count / _seconds(device, epoch(loops[name])))
+            added = torch.tensor([float(_added_memory(device, epoch(loops[name])))], device=collective_device())
+            dist.all_reduce(added, op=dist.ReduceOp.MAX)  # the rank that added most
+            results[f"{name} memory"].append(float(added))
+    return results
+
+
 def held(device_type: str) -> dict[str, int]:
     """This rank's bytes of the stack sharded by FSDPPlugin: parameters and gradients after a backward, Adam's
     state after its step."""
@@ -240,6 +292,15 @@ def main() -> None:
             f"  {label:26} params {holds['parameters']:>10,}  grads {holds['gradients']:>10,}  "
             f"adam {holds['optimizer']:>10,}  total {holds['total']:>11,}  {share:5.3f} x DDP's"
         )
+
+    checked = ddpkit.launch(recompute, args.blocks, args.steps, args.device, nprocs=nprocs, backend=backend)[0]
+    print(f"\nactivation checkpointing of the blocks, sequences of 128, {nprocs} ranks, {args.blocks} alternating "
+          "epochs")  # fmt: skip
+    middle = {name: statistics.median(values) for name, values in checked.items()}
+    print(f"  none:   {middle['none rate']:6.2f} steps/s   a step adds {middle['none memory'] / 2**20:7.1f} MiB")
+    print(f"  blocks: {middle['blocks rate']:6.2f} steps/s   a step adds {middle['blocks memory'] / 2**20:7.1f} MiB")
+    print(f"  time x{middle['none rate'] / middle['blocks rate']:.2f}, memory x"
+          f"{middle['blocks memory'] / max(1.0, middle['none memory']):.2f} (blocks / none)")  # fmt: skip
 
     times = ddpkit.launch(checkpoints, 3, args.device, nprocs=nprocs, backend=backend)[0]
     print(f"\ncheckpoint of 6 x Linear(2048, 2048) (24 M parameters, 100 MB) and Adam state, {nprocs} ranks, 3 rounds")

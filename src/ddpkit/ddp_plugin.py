@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
+from ddpkit._activations import ActivationCheckpointingPolicy, checked_policy, checkpoint_activations
 from ddpkit.batches import iter_tensors, move_data_to_device
 from ddpkit.checkpoint import load_sharded
 from ddpkit.process_group import (
@@ -39,10 +40,23 @@ __all__ = ["DDPPlugin", "unwrap_model"]
 class DDPPlugin:
     """Links a DDP implementation to a training loop (Lightning 1.x's ``DDPPlugin``).
 
-    All constructor arguments are forwarded to
-    ``torch.nn.parallel.DistributedDataParallel`` (``find_unused_parameters``
-    defaults to ``False``). Subclass it and override :meth:`configure_ddp` for a
-    custom wrapper.
+    All constructor arguments but ``activation_checkpointing_policy`` are
+    forwarded to ``torch.nn.parallel.DistributedDataParallel``
+    (``find_unused_parameters`` defaults to ``False``). Subclass it and override
+    :meth:`configure_ddp` for a custom wrapper.
+
+    Args:
+        activation_checkpointing_policy: which submodules keep only their inputs
+            in the forward and compute their activations again in the backward
+            (Lightning's argument of that name): a set of module classes (e.g.
+            ``{TransformerBlock}``), a callable ``module -> bool``, or torch's
+            auto-wrap policy ``(module, recurse, nonwrapped_numel) -> bool``;
+            each is wrapped in torch's non-reentrant ``checkpoint_wrapper``
+            (see :meth:`apply_activation_checkpointing`). Default ``None``: none.
+        kwargs: ``DistributedDataParallel``'s.
+
+    Raises:
+        TypeError: ``activation_checkpointing_policy`` is neither module classes nor a callable.
 
     Example:
         >>> plugin = DDPPlugin(gradient_as_bucket_view=True)
@@ -52,10 +66,31 @@ class DDPPlugin:
     #: Whether every forward and backward is a collective that every rank must run as often as the others (a
     #: sharded model's, ``FSDPPlugin``); DDP's forwards are each rank's own.
     forwards_together = False
+    #: The training loop's precision (``"32"``, ``"bf16-mixed"``, ``"16-mixed"``), which a ``TrainLoop`` sets
+    #: before :meth:`configure_ddp`: ``FSDPPlugin`` shards in bf16 for ``"bf16-mixed"``; DDP does not use it.
+    precision = "32"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, activation_checkpointing_policy: ActivationCheckpointingPolicy | None = None, **kwargs: Any
+                 ) -> None:  # fmt: skip
         self._ddp_kwargs: dict[str, Any] = kwargs
         self.device_ids: list[int] | None = None
+        self.activation_checkpointing_policy = checked_policy(activation_checkpointing_policy)
+
+    def apply_activation_checkpointing(self, model: nn.Module) -> list[str]:
+        """Wrap each submodule of ``model`` that ``activation_checkpointing_policy`` chooses (the outermost ones)
+        in torch's non-reentrant ``checkpoint_wrapper``, in place, once; the names of those wrapped (``[]``
+        without a policy). Its forward then keeps only its inputs, and its backward runs its forward again:
+        less memory for activations, about one more forward of compute; the gradients equal those without it
+        up to rounding (exactly, unless its forward draws random numbers: torch restores the random state).
+        ``state_dict`` keys do not change. :meth:`configure_ddp` calls it first; a ``TrainLoop`` in one process
+        calls it too.
+
+        Raises:
+            ValueError: the policy chose no submodule of ``model``.
+        """
+        if self.activation_checkpointing_policy is None:
+            return []
+        return checkpoint_activations(model, self.activation_checkpointing_policy)
 
     def configure_ddp(self, model: nn.Module, device_ids: list[int] | None) -> DistributedDataParallel:
         """Wrap ``model`` in ``DistributedDataParallel`` with the constructor's arguments.
@@ -87,6 +122,7 @@ class DDPPlugin:
             )
         self._ddp_kwargs["find_unused_parameters"] = self._ddp_kwargs.get("find_unused_parameters", False)
         self.device_ids = device_ids
+        self.apply_activation_checkpointing(model)
         return DistributedDataParallel(model, device_ids=device_ids, **self._ddp_kwargs)
 
     def init_ddp_connection(

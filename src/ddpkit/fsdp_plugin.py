@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ddpkit._activations import ActivationCheckpointingPolicy
 from ddpkit.batches import iter_tensors
 from ddpkit.checkpoint import save_sharded
 from ddpkit.ddp_plugin import DDPPlugin, unwrap_model
@@ -60,17 +61,27 @@ class FSDPPlugin(DDPPlugin):
         reshard_after_forward: free each unit's full weights after its forward
             and gather them again for its backward (torch's default, ``True``);
             ``False`` keeps them until the backward (less communication, more memory).
-        mp_policy: torch's ``MixedPrecisionPolicy`` (e.g. bf16 parameters with
-            fp32 gradient reduction); default none: the loop's ``precision=``
-            autocasts the forward as it does with DDP.
+        mp_policy: torch's ``MixedPrecisionPolicy``; default: with the loop's
+            ``precision="bf16-mixed"``, ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)`` (each unit gathers its weights and
+            computes in bf16, gradients are reduced and the weights and optimizer
+            kept in float32, as Lightning's FSDP does for ``bf16-mixed``), else
+            none (float32; the loop's autocast as with DDP).
         offload_policy: torch's ``CPUOffloadPolicy`` to keep the shards on the CPU between uses; default none.
         hsdp: shard inside each node and replicate across nodes (a 2-D device
             mesh ``(nodes, processes per node)``: HSDP), for jobs of several nodes
             whose model fits one node's devices; an int shards over groups of that
             many ranks instead of a node's; default ``False`` (shard over all ranks).
+        activation_checkpointing_policy: which submodules compute their
+            activations again in the backward instead of keeping them (Lightning's
+            argument of that name): module classes, a callable ``module -> bool``
+            or torch's auto-wrap policy; applied before sharding (as torchtitan
+            does), see :meth:`~ddpkit.DDPPlugin.apply_activation_checkpointing`.
+            Default ``None``: none.
 
     Raises:
-        TypeError: ``auto_wrap_policy`` is neither module classes nor a callable.
+        TypeError: ``auto_wrap_policy`` or ``activation_checkpointing_policy`` is neither module classes nor a
+            callable.
 
     Example:
         >>> loop = TrainLoop(model, loader, plugin=FSDPPlugin(auto_wrap_policy={Block}), global_batch_size=64)
@@ -90,8 +101,9 @@ class FSDPPlugin(DDPPlugin):
         mp_policy: Any = None,
         offload_policy: Any = None,
         hsdp: bool | int = False,
+        activation_checkpointing_policy: ActivationCheckpointingPolicy | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(activation_checkpointing_policy)
         if auto_wrap_policy is not None and not callable(auto_wrap_policy):
             classes = tuple(auto_wrap_policy)
             if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
@@ -131,11 +143,17 @@ class FSDPPlugin(DDPPlugin):
                 "on one device per rank: move it with model.to(device) first"
             )
         self.device_ids = device_ids
+        self.apply_activation_checkpointing(model)
         mesh = self._mesh(device_ids)
         self._unsharded = {id(p): (p, name) for name, p in model.named_parameters()}
         options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
-        if self.mp_policy is not None:
-            options["mp_policy"] = self.mp_policy
+        mp_policy = self.mp_policy
+        if mp_policy is None and self.precision == "bf16-mixed":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mp_policy is not None:
+            options["mp_policy"] = mp_policy
         if self.offload_policy is not None:
             options["offload_policy"] = self.offload_policy
         _broadcast_from_rank_zero(model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit import FSDPPlugin, TrainLoop
+from ddpkit import DDPPlugin, FSDPPlugin, TrainLoop
 from ddpkit.testing import run_parallel
 from tests.helpers import StopAfter
 from tests.support.sharded import Stack, fit_sharded, max_difference, sharded_loop
@@ -84,13 +84,52 @@ def test_clipping_of_the_shards_global_norm_and_accumulation_equal_one_process()
 
 
 def test_bf16_trains_sharded_within_its_rounding_of_one_process() -> None:
+    """precision="bf16-mixed" shards in bf16 (units gather and compute bf16 weights; float32 shards, optimizer and
+    gradient reduction): FSDP2's MixedPrecisionPolicy, unless the plugin was given one."""
     single = fit_sharded(2, precision="bf16-mixed")
     sharded = run_parallel(fit_sharded, 2, precision="bf16-mixed", world_size=2, timeout=180)[0]
+    assert sharded["compute_dtypes"] == ["torch.bfloat16"]
+    assert sharded["parameter_dtypes"] == ["torch.float32"], "the shards and the optimizer stay float32"
+    assert single["compute_dtypes"] == ["torch.float32"], "one process: autocast alone, as DDP"
     loss = sharded["history"]["train_loss"]
     assert loss[1] < loss[0], "it learns"
     in_float32 = fit_sharded(2)
     rounding = max_difference(in_float32["weights"], single["weights"])
     assert max_difference(sharded["weights"], single["weights"]) < 2 * rounding
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["FSDPPlugin", "DDPPlugin"])
+def test_activation_checkpointing_computes_the_blocks_again_and_trains_as_without_it(sharded: bool) -> None:
+    """Each block's forward runs twice per training batch (its forward and its recomputation in the backward),
+    the weights equal a run without it (float rounding at most), the state_dict's names are the model's."""
+    plain = run_parallel(fit_sharded, 1, sharded=sharded, world_size=2, timeout=180)[0]
+    recomputed = run_parallel(fit_sharded, 1, sharded=sharded, recompute=True, world_size=2, timeout=180)[0]
+    assert plain["block_forwards"] > 0
+    assert recomputed["block_forwards"] == 2 * plain["block_forwards"]
+    assert max_difference(recomputed["weights"], plain["weights"]) <= 1e-6
+    assert recomputed["state_dict_keys"] == plain["state_dict_keys"]
+    assert not any("checkpoint" in key for key in recomputed["state_dict_keys"])
+    alone = fit_sharded(1, sharded=sharded, recompute=True)  # one process: applied there too
+    assert alone["block_forwards"] == 2 * fit_sharded(1, sharded=sharded)["block_forwards"]
+
+
+def test_a_checkpoint_written_with_activation_checkpointing_resumes_without_it(
+    tmp_path: Path, one_process: dict
+) -> None:
+    stopped = run_parallel(fit_sharded, 2, str(tmp_path), [StopAfter(step=14)], checkpoint_every=3, recompute=True,
+                           world_size=2, timeout=180)  # fmt: skip
+    assert stopped[0]["stopped"] == 14
+    resumed = run_parallel(fit_sharded, 2, str(tmp_path), world_size=3, timeout=180)
+    assert max_difference(resumed[0]["weights"], one_process["weights"]) < TOLERANCE
+
+
+def test_an_activation_checkpointing_policy_that_chooses_nothing_or_is_no_policy_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"activation_checkpointing_policy=\['blocks'\]: give nn.Module classes"):
+        FSDPPlugin(activation_checkpointing_policy=["blocks"])  # type: ignore[list-item]
+    loop = sharded_loop(sharded=False)
+    loop.plugin = DDPPlugin(activation_checkpointing_policy={nn.Conv2d})
+    with pytest.raises(ValueError, match=r"chose no submodule of Stack: name the classes of its blocks"):
+        loop.fit(1)
 
 
 def _optimizer_on_shards() -> dict[str, object]:

@@ -40,6 +40,12 @@ class Rows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return image.float().view(8, 8) / 16.0, label
 
 
+#: Forwards of any ``Block`` that built a graph (training's, and activation checkpointing's recomputations).
+BLOCK_FORWARDS = [0]
+#: The dtypes of the weights the blocks computed with in training (FSDP's gathered ones under a sharded model).
+COMPUTE_DTYPES: set[str] = set()
+
+
 class Block(nn.Module):
     """Pre-norm residual MLP block (a transformer block without attention's softmax)."""
 
@@ -50,6 +56,9 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            BLOCK_FORWARDS[0] += 1
+            COMPUTE_DTYPES.add(str(self.mix.weight.dtype))
         x = x + self.mix(self.norm(x).transpose(1, 2)).transpose(1, 2)
         return x + self.mlp(self.norm(x))
 
@@ -89,9 +98,12 @@ class Norms(Callback):
 
 def sharded_loop(
     checkpoint_dir: str | Path | None = None, *, sharded: bool = True, model: nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None, hsdp: bool | int = False, **options: Any,
+    optimizer: torch.optim.Optimizer | None = None, hsdp: bool | int = False, recompute: bool = False,
+    **options: Any,
 ) -> TrainLoop:  # fmt: skip
-    """The stack's TrainLoop over the digits rows (AdamW, a global batch of 24 in batches of 4)."""
+    """The stack's TrainLoop over the digits rows (AdamW, a global batch of 24 in batches of 4); ``recompute``:
+    activation checkpointing of the blocks."""
+    policy = {Block} if recompute else None
     model = model if model is not None else Stack()
     optimizer = optimizer if optimizer is not None else torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
     loader = DataLoader(Rows(TRAIN_ITEMS), batch_size=BATCH, shuffle=True)
@@ -99,7 +111,8 @@ def sharded_loop(
     options.setdefault("global_batch_size", GLOBAL_BATCH)
     return TrainLoop(
         model, loader, validation, optimizer=optimizer, progress=False,
-        plugin=FSDPPlugin(hsdp=hsdp) if sharded else DDPPlugin(), checkpoint_dir=checkpoint_dir, **options,
+        plugin=FSDPPlugin(hsdp=hsdp, activation_checkpointing_policy=policy) if sharded
+        else DDPPlugin(activation_checkpointing_policy=policy), checkpoint_dir=checkpoint_dir, **options,
     )  # fmt: skip
 
 
@@ -110,6 +123,8 @@ def fit_sharded(
     """Fit ``epochs`` (in all) and return what the tests compare: rank 0's whole weights, the history, every
     step's gradient norm, this rank's shard sizes and bytes held, the world size."""
     loop, norms = sharded_loop(checkpoint_dir, **options), Norms()
+    BLOCK_FORWARDS[0] = 0
+    COMPUTE_DTYPES.clear()
     try:
         loop.fit(epochs, accumulation, callbacks=[norms, *(callbacks or [])])
     except KeyboardInterrupt:
@@ -119,6 +134,9 @@ def fit_sharded(
         "weights": weights, "history": dict(loop.history), "norms": norms.norms, "shards": norms.shards,
         "memory": loop.plugin.memory(loop.model, loop.optimizer) if isinstance(loop.plugin, FSDPPlugin) else None,
         "rank": get_rank(), "world_size": get_world_size(), "mesh": _mesh(loop.model),
+        "block_forwards": BLOCK_FORWARDS[0], "state_dict_keys": sorted(loop.model.state_dict()),
+        "compute_dtypes": sorted(COMPUTE_DTYPES),
+        "parameter_dtypes": sorted({str(p.dtype) for p in loop.model.parameters()}),
     }  # fmt: skip
 
 

@@ -142,10 +142,12 @@ class TrainingRun:
             sampler = loop.ddp_handler.samplers.get("train_loader")
             self._epochs = TrainingEpochs(epoch_source(loop.train_loader, sampler), global_batch, get_world_size())
         if loop.ddp_model is None:
+            loop.plugin.precision = loop.recipe.precision  # what FSDPPlugin shards in
             if is_distributed():
                 device_ids = [loop.device.index or 0] if loop.device.type == "cuda" else None
                 loop.ddp_model = loop.plugin.configure_ddp(loop.model, device_ids)
             else:
+                loop.plugin.apply_activation_checkpointing(loop.model)  # configure_ddp does it with a process group
                 loop.ddp_model = loop.model
             loop.recipe.bind(loop.optimizer, loop.device)
             self._forward_model = loop.recipe.compiled(loop.ddp_model)
