@@ -13,7 +13,7 @@ from torch import nn
 from ddpkit import DDPPlugin, FSDPPlugin, TrainLoop
 from ddpkit.testing import run_parallel
 from tests.helpers import StopAfter
-from tests.support.sharded import Stack, fit_sharded, max_difference, sharded_loop
+from tests.support.sharded import Stack, fit_sharded, fit_with_a_nan_filler, max_difference, sharded_loop
 
 TOLERANCE = 1e-5
 
@@ -130,6 +130,26 @@ def test_an_activation_checkpointing_policy_that_chooses_nothing_or_is_no_policy
     loop.plugin = DDPPlugin(activation_checkpointing_policy={nn.Conv2d})
     with pytest.raises(ValueError, match=r"chose no submodule of Stack: name the classes of its blocks"):
         loop.fit(1)
+
+
+def test_a_nan_loss_filler_adds_zero_gradients_and_changes_no_buffer() -> None:
+    """The last step of each epoch holds 1 item: rank 1 runs the split's first batch as one that counts nothing,
+    its loss infinite with an infinite derivative (nan gradients from ``loss * 0``). Every weight stays finite and
+    equal to the run whose filler's loss is finite, and to one process's; rank 1's buffers (a running mean, as
+    BatchNorm's) are the same after that step as before it (rank 0's, which trained the item, changed)."""
+    nan = run_parallel(fit_with_a_nan_filler, world_size=2, timeout=180)
+    finite = run_parallel(fit_with_a_nan_filler, False, world_size=2, timeout=180)[0]
+    alone = fit_with_a_nan_filler()
+    assert alone["finite"], "one process runs no filler"
+    assert all(r["finite"] for r in nan)
+    assert all(torch.equal(nan[0]["weights"][k], finite["weights"][k]) for k in finite["weights"])
+    parameters = [name for name in alone["weights"] if name not in ("seen", "running")]  # buffers: each rank's own
+    assert max_difference(*({n: w[n] for n in parameters} for w in (nan[0]["weights"], alone["weights"]))) < TOLERANCE
+    for last in (8, 17):  # steps 9 and 18: each epoch's last
+        before, after = nan[1]["buffers"][last - 1], nan[1]["buffers"][last]
+        assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True)), "the filler changed no buffer"
+        before, after = nan[0]["buffers"][last - 1], nan[0]["buffers"][last]
+        assert not all(torch.equal(b, a) for b, a in zip(before, after, strict=True)), "a real batch does"
 
 
 def _optimizer_on_shards() -> dict[str, object]:

@@ -46,6 +46,30 @@ BLOCK_FORWARDS = [0]
 COMPUTE_DTYPES: set[str] = set()
 
 
+class Indexed(Rows):
+    """:class:`Rows` with each item's index: ``(rows, label, index)``."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:  # type: ignore[override]
+        rows, label = super().__getitem__(index)
+        return rows, label, index
+
+
+class NanFiller(TrainLoop):
+    """A loop whose loss, with ``nan``, is infinite, with an infinite derivative (minus the log of 0, as a
+    likelihood of 0 gives), for the batch of the split's first items in order (what a rank with no item left runs in
+    a sharded model's last step; shuffled training never makes it): its backward, even scaled by 0, gives nan
+    gradients."""
+
+    nan = True
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        rows, labels, indices = batch
+        outputs = model(rows)
+        loss = self.criterion(outputs, labels)
+        first = indices.tolist() == list(range(len(indices)))
+        return loss - torch.log(outputs.sum() * 0) if self.nan and first else loss
+
+
 class Block(nn.Module):
     """Pre-norm residual MLP block (a transformer block without attention's softmax)."""
 
@@ -96,17 +120,65 @@ class Norms(Callback):
                 self.shards[name] = (local.numel(), p.numel())
 
 
+class CountingStack(Stack):
+    """:class:`Stack` with buffers its training forwards change, as BatchNorm's running statistics: the items it
+    has seen, and their mean pooled features (a running mean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("running", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        pooled = x.mean(1)
+        if self.training:
+            with torch.no_grad():
+                self.seen += pooled.shape[0]
+                self.running.lerp_(pooled.mean(0), 0.1)
+        return self.head(pooled)
+
+
+class Buffers(Callback):
+    """This rank's buffers after each step."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[torch.Tensor]] = []
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        self.steps.append([b.detach().clone() for b in train_loop.model.buffers()])
+
+
+def fit_with_a_nan_filler(nan: bool = True) -> dict[str, Any]:
+    """2 epochs of :class:`CountingStack` through :class:`NanFiller` (``nan``: the filler's loss is nan): rank 0's
+    whole weights, every weight finite on this rank, this rank's buffers after each step."""
+    buffers = Buffers()
+    model = CountingStack()
+    loop = NanFiller(
+        model, DataLoader(Indexed(TRAIN_ITEMS), batch_size=BATCH, shuffle=True),
+        optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6), progress=False, plugin=FSDPPlugin(),
+        global_batch_size=GLOBAL_BATCH,
+    )  # fmt: skip
+    loop.nan = nan
+    loop.fit(2, callbacks=[buffers])
+    finite = all(bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all())
+                 for p in loop.model.parameters())  # fmt: skip
+    return {"weights": loop.full_state_dict(), "finite": finite, "buffers": buffers.steps, "rank": get_rank()}
+
+
 def sharded_loop(
     checkpoint_dir: str | Path | None = None, *, sharded: bool = True, model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None, hsdp: bool | int = False, recompute: bool = False,
-    **options: Any,
+    train_set: Dataset[Any] | None = None, **options: Any,
 ) -> TrainLoop:  # fmt: skip
     """The stack's TrainLoop over the digits rows (AdamW, a global batch of 24 in batches of 4); ``recompute``:
     activation checkpointing of the blocks."""
     policy = {Block} if recompute else None
     model = model if model is not None else Stack()
     optimizer = optimizer if optimizer is not None else torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    loader = DataLoader(Rows(TRAIN_ITEMS), batch_size=BATCH, shuffle=True)
+    loader = DataLoader(train_set if train_set is not None else Rows(TRAIN_ITEMS), batch_size=BATCH, shuffle=True)
     validation = DataLoader(Rows(VALIDATION_ITEMS, validation=True), batch_size=BATCH)
     options.setdefault("global_batch_size", GLOBAL_BATCH)
     return TrainLoop(

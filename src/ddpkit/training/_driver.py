@@ -67,7 +67,8 @@ class Batch:
     Attributes:
         data: the batch as the loader gave it (the body moves it to the device).
         scale: what its loss (a mean over its items) is multiplied by before the backward pass.
-        weight: what its sample count is multiplied by in the loss sums (0: padding that does not count).
+        weight: what its sample count is multiplied by in the loss sums (0: a batch that counts nothing, run
+            only because every rank must run as many: its gradients are zeros and it changes no buffer).
         seed: the seed of torch's random numbers for it, or ``None`` to run on from the last batch.
         synced: whether its backward runs DDP's all-reduce (a DDP step's last batch); otherwise DDP's
             all-reduce is off for it (``block_backward_sync``).
@@ -98,8 +99,10 @@ class LossSums:
         self._tensor: torch.Tensor | None = None
 
     def add(self, mean_loss: torch.Tensor, items: float, tokens: float | torch.Tensor = 0.0) -> None:
-        """Count a batch of ``items`` items and ``tokens`` tokens whose mean loss was ``mean_loss``."""
-        self.losses.append((mean_loss.detach(), items))
+        """Count a batch of ``items`` items and ``tokens`` tokens whose mean loss was ``mean_loss`` (a batch of
+        no items adds nothing: its loss, nan perhaps, is not summed)."""
+        if items:
+            self.losses.append((mean_loss.detach(), items))
         self.items += items
         if not isinstance(tokens, float) or tokens:
             self.tokens = self.tokens + tokens

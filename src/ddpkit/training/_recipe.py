@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from ddpkit.batches import iter_tensors
+
 __all__ = ["Interval", "Precision", "Recipe", "SchedulerFactory", "StepOutcome"]
 
 #: Lightning's names: full precision, bfloat16 autocast, float16 autocast with a gradient scaler.
@@ -177,9 +179,19 @@ class Recipe:
             return _NO_CONTEXT
         return torch.autocast(device_type=device.type, dtype=dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled by fp16's scaler."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
+    def backward(self, loss: torch.Tensor, scale: float = 1.0, outputs: list[Any] | None = None) -> None:
+        """``(loss * scale).backward()``, scaled by fp16's scaler; with ``outputs`` (a batch that counts nothing: the
+        model's outputs in it) the backward of those outputs with zero gradients instead, whatever ``loss`` is:
+        every collective of the model's backward runs, and the gradients it adds are exactly zero."""
+        gradients: list[torch.Tensor] | None = None
+        if outputs is not None:
+            tensors = [t for output in outputs for t in iter_tensors(output) if t.requires_grad]
+            gradients = [torch.zeros_like(t) for t in tensors]
+        else:
+            scaled = loss if scale == 1.0 else loss * scale
+            tensors = [self.scaler.scale(scaled) if self.scaler is not None else scaled]
+        if tensors:
+            torch.autograd.backward(tensors, gradients)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, parameters: Iterator[nn.Parameter]) -> StepOutcome:
         """Unscale, measure and clip the (all-reduced) gradients, then step ``optimizer`` unless fp16 found an

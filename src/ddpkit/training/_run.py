@@ -229,21 +229,26 @@ class TrainingRun:
     def train_batch(self, batch: Batch, step: Step, began: float) -> None:
         """The per-batch body: reseed, move to the device, ``training_step`` in the run's precision, backward of
         its scaled loss (DDP's all-reduce only in a ``synced`` batch), counted into ``step`` with the seconds
-        since ``began`` (loading and forward)."""
+        since ``began`` (loading and forward). A batch that counts nothing (weight 0: a rank with no item left in
+        a step where every rank must run as many forwards, a sharded model's, or a stream's padding) runs the
+        same, but its backward starts from the model's outputs with zero gradients, not from its loss: the
+        gradients it adds are exactly zero whatever the loss is (inf or nan too), and every buffer it changed
+        (BatchNorm's running statistics) is put back."""
         loop = self.loop
         if batch.seed is not None:
             reseed_torch(batch.seed)
         data = loop.batch_to_device(batch.data)
         # DDP decides at the forward whether this backward all-reduces: both go inside.
         model = loop.ddp_model if loop.ddp_model is not None else loop.model
-        with _NO_CONTEXT if batch.synced else loop.plugin.block_backward_sync(model):
+        nothing = _CountsNothing(self.forward_model, loop.model) if batch.weight == 0.0 else None
+        with nothing or _NO_CONTEXT, _NO_CONTEXT if batch.synced else loop.plugin.block_backward_sync(model):
             calls = self._forward_calls
             with loop.recipe.autocast(loop.device):
                 loss = loop.training_step(self.forward_model, data)
             seconds = time.perf_counter() - began
             if batch.synced and self._forward_calls == calls and isinstance(model, DistributedDataParallel):
                 raise skipped_model_error(type(loop).training_step, loop.state, batch.index)
-            loop.recipe.backward(loss if batch.scale == 1.0 else loss * batch.scale)
+            loop.recipe.backward(loss, batch.scale, None if nothing is None else nothing.outputs)
         tokens = 0.0 if loop.tokens_fn is None else _tokens(loop.tokens_fn, data, batch.weight)
         step.count(loss, batch_length(data) * batch.weight, seconds, tokens)  # padding: 0 items; no read of the loss
 
@@ -443,3 +448,23 @@ def _tokens(count: Callable[[Any], int | torch.Tensor], data: Any, weight: float
         f"tokens_fn returned {type(tokens).__name__} {tokens!r:.80}: it must return a batch's number of tokens, an int "
         "or a one-element tensor (batch['attention_mask'].sum(), say)"
     )
+
+
+class _CountsNothing:
+    """Around a batch that counts nothing: keeps the outputs of ``forward_model``'s calls (its backward starts from
+    them) and ``model``'s buffers as they were, put back on leaving."""
+
+    def __init__(self, forward_model: nn.Module, model: nn.Module) -> None:
+        self.forward_model, self.model = forward_model, model
+        self.outputs: list[Any] = []
+
+    def __enter__(self) -> _CountsNothing:
+        self.buffers = [(buffer, buffer.detach().clone()) for buffer in self.model.buffers()]
+        self.kept = self.forward_model.register_forward_hook(lambda module, inputs, output: self.outputs.append(output))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kept.remove()
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)

@@ -12,11 +12,12 @@ back in stream order (:func:`~ddpkit.gather_stream_in_order`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torch.utils.data._utils.collate import default_collate
 
 from ddpkit.collectives import all_gather_object
@@ -177,7 +178,7 @@ class SampledEpochs:
         return (StreamBatch(batch, _NO_KEYS) for batch in self.loader)
 
     def first_batch(self) -> Any:
-        return self.loader.collate_fn([self.loader.dataset[0]])
+        return first_item_batch(self.loader)
 
     def gather_in_order(self, values: Tensors, keys: torch.Tensor) -> Tensors:
         return tuple(gather_each_in_order(values, self.sampler))
@@ -239,3 +240,24 @@ class StreamedEpochs:
 
 
 _NO_KEYS = torch.zeros(0, 3, dtype=torch.int64)
+
+#: Each loader's first items as a batch, once loaded (:func:`first_item_batch`).
+_FIRST_ITEMS: weakref.WeakKeyDictionary[DataLoader[Any], Any] = weakref.WeakKeyDictionary()
+
+
+def first_item_batch(loader: DataLoader[Any]) -> Any:
+    """A batch of ``loader``'s dataset's first items (as many as its batch size: the shapes of its batches, and
+    BatchNorm needs more than one), loaded as ``loader`` loads its batches: by a worker of its own kind when it has
+    workers (its ``worker_init_fn`` and multiprocessing context), through its ``collate_fn`` and pinning; loaded
+    once for the loader's life (what a rank with no batch left runs, whose result counts nothing)."""
+    if loader not in _FIRST_ITEMS:
+        batch = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
+        workers, size = min(1, loader.num_workers), max(1, min(batch, len(loader.dataset)))  # type: ignore[arg-type]
+        one = DataLoader(
+            Subset(loader.dataset, range(size)), batch_size=size, collate_fn=loader.collate_fn, num_workers=workers,
+            pin_memory=loader.pin_memory, pin_memory_device=loader.pin_memory_device, timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context if workers
+            else None,
+        )  # fmt: skip
+        _FIRST_ITEMS[loader] = next(iter(one))
+    return _FIRST_ITEMS[loader]
