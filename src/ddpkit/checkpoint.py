@@ -119,6 +119,11 @@ def save_sharded(state: dict[str, Any], directory: str | os.PathLike[str], name:
     Every rank writes its shards into ``.<name>.tmp``; once all have (torch's
     save ends with a collective), rank 0 renames it to ``name``. Nothing names
     the new directory yet: the caller's checkpoint file does, written after.
+    When ``name`` exists already (the same step written again, by a run
+    restarted from an older checkpoint), it is first renamed to ``.<name>.old``
+    and removed only once the new one is in place: at every moment one of the
+    two is complete, and :func:`load_sharded` reads the old one when a crash
+    came between the renames.
 
     Returns:
         The directory's path.
@@ -135,11 +140,19 @@ def save_sharded(state: dict[str, Any], directory: str | os.PathLike[str], name:
     with _alone(dist.is_initialized()):
         dcp.save(state, checkpoint_id=temporary, no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
     if not dist.is_initialized() or dist.get_rank() == 0:
+        old = _previous(target)
         if target.exists():  # the same step written again (a run restarted from an older checkpoint)
-            shutil.rmtree(target)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)  # complete, and found by load_sharded until the new one is in place
         os.replace(temporary, target)
         _fsync_directory(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _previous(target: Path) -> Path:
+    """Where :func:`save_sharded` keeps ``target`` while it puts a new one of the same name in place."""
+    return target.with_name(f".{target.name}.old")
 
 
 def load_sharded(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
@@ -152,10 +165,13 @@ def load_sharded(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    if not (Path(path) / ".metadata").exists():
+    path = Path(path)
+    if not (path / ".metadata").exists() and (_previous(path) / ".metadata").exists():
+        path = _previous(path)  # a crash came between save_sharded's two renames: the old one is complete
+    if not (path / ".metadata").exists():
         raise FileNotFoundError(f"no sharded checkpoint at {path} (its .metadata is missing)")
     with _alone(dist.is_initialized()):
-        dcp.load(state, checkpoint_id=Path(path), no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -173,7 +189,9 @@ def remove_unnamed_sharded(directory: str | os.PathLike[str], keep: str | None) 
     (``last-*.dcp``) are touched."""
     for path in Path(directory).iterdir():  # TrainLoop's names only: last-....dcp (a user's own files stay)
         finished = path.name.startswith("last-") and path.name.endswith(SHARDED_SUFFIX) and path.name != keep
-        unfinished = path.name.startswith(".last-") and path.name.endswith(SHARDED_SUFFIX + _TEMPORARY_SUFFIX)
+        unfinished = path.name.startswith(".last-") and path.name.endswith(
+            (SHARDED_SUFFIX + _TEMPORARY_SUFFIX, SHARDED_SUFFIX + ".old")
+        )
         if (finished or unfinished) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
 

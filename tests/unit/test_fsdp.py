@@ -6,7 +6,9 @@ Here, the tests that run in one process; the others are in tests/ranks/test_fsdp
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -87,6 +89,40 @@ def test_a_sharded_checkpoint_is_renamed_into_place_and_unnamed_ones_go(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last-e0-s3-p9.dcp", "last.pt", "mine.dcp", "notes.dcp.txt"]
     with pytest.raises(FileNotFoundError, match="metadata"):
         load_sharded(loaded, tmp_path / "last-e0-s1-p3.dcp")
+
+
+def test_a_sharded_checkpoint_written_again_under_its_name_is_never_absent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same name written again: the old directory is renamed aside before the new one goes in place, so a crash
+    between the two renames leaves the old one, which load_sharded reads; after the write only the new one is left."""
+    import ddpkit.checkpoint as checkpoint
+
+    def state(value: float) -> dict[str, Any]:
+        return {"model": {"w": torch.full((4,), value)}}
+
+    path = save_sharded(state(1.0), tmp_path, "last-e0-s3-p9.dcp")
+    real_replace, crashed = os.replace, []
+
+    def crash_after_the_first_rename(source: Any, destination: Any) -> None:
+        real_replace(source, destination)
+        if Path(destination).name.endswith(".old"):
+            crashed.append(True)
+            raise KeyboardInterrupt("killed between the renames")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash_after_the_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_sharded(state(2.0), tmp_path, "last-e0-s3-p9.dcp")
+    assert crashed
+    assert not path.exists(), "the name is empty between the renames"
+    loaded = state(0.0)
+    load_sharded(loaded, path)
+    assert torch.equal(loaded["model"]["w"], torch.full((4,), 1.0)), "the old checkpoint, whole"
+    monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+    save_sharded(state(3.0), tmp_path, "last-e0-s3-p9.dcp")
+    load_sharded(loaded, path)
+    assert torch.equal(loaded["model"]["w"], torch.full((4,), 3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last-e0-s3-p9.dcp"], "nothing aside or unfinished left"
 
 
 def test_a_checkpoint_of_the_previous_version_has_no_sharded_directory(tmp_path: Path) -> None:
