@@ -15,7 +15,10 @@ each rank holds, and sharded checkpoints against ``last.pt``, same run.
    stack over sequences of 128 (activations that matter), 2 ranks, alternating epochs: steps per second, and the
    memory a step adds to what the rank held before it (``torch.cuda.max_memory_allocated`` on a GPU; on the CPU
    the peak resident set size, reset through ``/proc/self/clear_refs``); epochs of a quarter of ``--steps``.
-4. A checkpoint of a ~100 MB model (6 linear layers of 2048 x 2048, 24 M parameters) and its Adam state:
+4. What the step during which a checkpoint is written costs, against the other steps, with ``checkpoint_async``
+   and without: the ~100 MB model below, SGD, a ``TrainLoop`` with ``DDPPlugin`` on 2 ranks checkpointing every
+   5 steps (rank 0's step times; target: async <= 1.25x a step).
+5. A checkpoint of a ~100 MB model (6 linear layers of 2048 x 2048, 24 M parameters) and its Adam state:
    written and read sharded (``torch.distributed.checkpoint``, every rank its shards) against DDP's ``last.pt``
    (rank 0 writes the whole state with ``torch.save``; every rank reads it), 2 ranks, alternating, 3 rounds.
 """
@@ -38,6 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
+from ddpkit import Callback
 from ddpkit.checkpoint import load_checkpoint, save_checkpoint
 from ddpkit.process_group import collective_device, rank_device
 
@@ -192,6 +196,45 @@ def recompute(blocks: int, count: int, device_type: str) -> dict[str, list[float
     return results
 
 
+class _StepTimes(Callback):
+    """The seconds from each step's end to the next's."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def stalls(steps: int, device_type: str) -> dict[str, list[float]]:
+    """Seconds of each step that follows a checkpoint and of the others, with and without checkpoint_async."""
+    device = rank_device() if device_type == "cuda" else torch.device("cpu")
+    directory = Path(tempfile.mkdtemp(prefix="ddpkit-bench-"))
+    items = steps * 4 * dist.get_world_size()
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(items, 2048, generator=generator), torch.randint(0, 10, (items,)))
+    results: dict[str, list[float]] = {}
+    for asynchronous in (False, True, False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(6)))
+        times = _StepTimes()
+        where = directory / f"{asynchronous}-{len(results)}-{dist.get_rank()}"
+        loop = ddpkit.TrainLoop(
+            model, DataLoader(data, batch_size=4), optimizer=torch.optim.SGD(model.parameters(), lr=1e-4),
+            device=device, progress=False, checkpoint_dir=where, checkpoint_every=5, checkpoint_async=asynchronous,
+        )  # fmt: skip
+        _quiet(loop.fit, 1, callbacks=[times])
+        durations = [b - a for a, b in zip(times.ends, times.ends[1:], strict=False)]  # steps 2, 3, ...
+        kind = "async" if asynchronous else "sync"
+        after = [d for number, d in enumerate(durations, start=2) if number % 5 == 1]  # 6, 11, ...: a save's step
+        results.setdefault(f"{kind} saving", []).extend(after)
+        results.setdefault(f"{kind} other", []).extend(
+            d for number, d in enumerate(durations, start=2) if number % 5 not in (0, 1)
+        )  # fmt: skip
+    shutil.rmtree(directory, ignore_errors=True)
+    return results
+
+
 def held(device_type: str) -> dict[str, int]:
     """This rank's bytes of the stack sharded by FSDPPlugin: parameters and gradients after a backward, Adam's
     state after its step."""
@@ -301,6 +344,15 @@ def main() -> None:
     print(f"  blocks: {middle['blocks rate']:6.2f} steps/s   a step adds {middle['blocks memory'] / 2**20:7.1f} MiB")
     print(f"  time x{middle['none rate'] / middle['blocks rate']:.2f}, memory x"
           f"{middle['blocks memory'] / max(1.0, middle['none memory']):.2f} (blocks / none)")  # fmt: skip
+
+    stalled = ddpkit.launch(stalls, 21, args.device, nprocs=nprocs, backend=backend)[0]
+    print(f"\nthe step during which a checkpoint of 6 x Linear(2048, 2048) is written, SGD, DDP on {nprocs} ranks")
+    for kind in ("sync", "async"):
+        saving, other = statistics.median(stalled[f"{kind} saving"]), statistics.median(stalled[f"{kind} other"])
+        target = "  (target <= 1.25x: " + ("ok)" if saving / other <= 1.25 else "MISSED)") if kind == "async" else ""
+        print(
+            f"  {kind:5}  {saving * 1000:7.1f} ms against {other * 1000:6.1f} ms a step: {saving / other:5.2f}x{target}"
+        )
 
     times = ddpkit.launch(checkpoints, 3, args.device, nprocs=nprocs, backend=backend)[0]
     print(f"\ncheckpoint of 6 x Linear(2048, 2048) (24 M parameters, 100 MB) and Adam state, {nprocs} ranks, 3 rounds")

@@ -72,7 +72,8 @@ def _evaluate_full_digits(batch_size: int, samples: int | None = None) -> dict[s
     return loop.evaluate()
 
 
-def _resumable_run(directory: str, stop: StopAfter | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
+def _resumable_run(directory: str, stop: StopAfter | None, asynchronous: bool = False
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:  # fmt: skip
     """Dropout (the global RNG), momentum (optimizer state), shuffling: all must come back exactly."""
     train, val = digits_datasets(seed=0)
     model = _model(dropout=0.3)
@@ -83,6 +84,7 @@ def _resumable_run(directory: str, stop: StopAfter | None) -> tuple[dict[str, to
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         checkpoint_dir=directory,
         checkpoint_every=5,
+        checkpoint_async=asynchronous,
         progress=False,
         seed=1,
     )
@@ -258,6 +260,21 @@ def test_max_steps_and_a_callbacks_stop_end_inside_an_epoch_with_its_checkpoint_
     done = run_parallel(_budgeted_run, str(tmp_path / "b"), None, timeout=60)
     assert done[0][3].startswith(f"already trained 40 of max_steps=40 optimizer steps in {tmp_path / 'b'}")
     assert done[0][2] == 40
+
+
+def test_async_checkpoints_resume_a_crashed_run_bit_identical(tmp_path: Path) -> None:
+    """checkpoint_async=True on 2 ranks: a crash after step 12 (the checkpoint of step 10 written in the background)
+    resumes, asynchronously too, to the uninterrupted run's weights."""
+    uninterrupted = run_parallel(_resumable_run, str(tmp_path / "a"), None, timeout=60)
+    stopped = run_parallel(_resumable_run, str(tmp_path / "b"), StopAfter(step=12), True, timeout=60)
+    assert stopped[0][2] == "stopped after step 12"
+    checkpoint = load_checkpoint(tmp_path / "b" / CHECKPOINT_FILE)
+    assert checkpoint["global_step"] == 10
+    resumed = run_parallel(_resumable_run, str(tmp_path / "b"), None, True, timeout=60)
+    for rank in (0, 1):
+        assert all(torch.equal(resumed[rank][0][k], uninterrupted[rank][0][k]) for k in resumed[rank][0])
+        assert resumed[rank][1]["validation_accuracy"] == uninterrupted[rank][1]["validation_accuracy"]
+    assert load_checkpoint(tmp_path / "b" / CHECKPOINT_FILE)["epoch"] == 2, "the last one on disk when fit returned"
 
 
 def _printed_run(directory: str, stop: StopAfter | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:

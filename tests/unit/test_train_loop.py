@@ -145,6 +145,49 @@ def test_bad_budgets_are_refused_with_the_values() -> None:
     assert loop.global_step == 0
 
 
+def test_an_async_checkpoint_is_written_while_the_next_steps_train(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """checkpoint_async: step 3's checkpoint is written in the background while steps 4 and 5 train (its write
+    waits for step 5 to end, which a synchronous write would never see); fit returns with the last one on disk,
+    resumable; a write that fails raises from fit."""
+    import threading
+
+    from ddpkit.training import TrainState
+
+    train, _ = digits_datasets(seed=0)
+    trained_on = threading.Event()
+    seen: list[tuple[int, bool]] = []
+    real_save = TrainState.save
+
+    def slow_save(self: TrainState, path: Any) -> None:
+        if self.global_step == 3:
+            seen.append((self.global_step, trained_on.wait(timeout=10)))
+        real_save(self, path)
+
+    class Watch(Callback):
+        def on_batch_end(self, train_loop: Any) -> None:
+            if train_loop.global_step == 5:
+                trained_on.set()
+
+    monkeypatch.setattr(TrainState, "save", slow_save)
+    loop = TrainLoop(_model(), DataLoader(train, batch_size=256), progress=False, checkpoint_dir=tmp_path,
+                     checkpoint_every=3, checkpoint_async=True)  # fmt: skip
+    loop.fit(1, callbacks=[Watch()])
+    assert seen == [(3, True)], "steps 4 and 5 trained while step 3's checkpoint was written"
+    assert TrainState.load(tmp_path / "last.pt").global_step == loop.global_step == 6, "the epoch's end, on disk"
+
+    def failing_save(self: TrainState, path: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(TrainState, "save", failing_save)
+    again = TrainLoop(_model(), DataLoader(train, batch_size=256), progress=False, checkpoint_dir=tmp_path / "b",
+                      checkpoint_every=3, checkpoint_async=True)  # fmt: skip
+    with pytest.raises(OSError, match="No space left on device"):
+        again.fit(1)
+    assert again.global_step == 6, "the failure came out at the next checkpoint (the epoch's end), not at once"
+
+
 # --- failures inside the loop -------------------------------------------------------------------------------
 
 

@@ -62,6 +62,17 @@ class TrainLoop:
             RNG state restored.
         checkpoint_every: also checkpoint every this many optimizer steps (besides
             each epoch's end and where ``fit`` stops inside an epoch).
+        checkpoint_async: write each checkpoint while training goes on (default
+            ``False``; Lightning's ``AsyncCheckpointIO``): the state is copied
+            off the live tensors (into pinned memory from a GPU) and rank 0
+            writes the copy in a thread, atomically as always, so ``last.pt``
+            names a checkpoint only once it is whole and a crash mid-write
+            leaves the one before. One write at a time: a checkpoint waits for
+            the last one to be on disk; ``fit`` returns once the last is, and a
+            failed write raises on every rank at the next checkpoint or at the
+            end. The copy's buffers are kept for the next checkpoint (as much
+            CPU memory as the state). A sharded model's checkpoints are still
+            written before training goes on.
         evaluate_every: also evaluate the validation split after every this many
             optimizer steps (besides each epoch's end; Lightning's integer
             ``val_check_interval``, Hugging Face's ``eval_steps``), exactly as
@@ -191,6 +202,7 @@ class TrainLoop:
         plugin: DDPPlugin | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int | None = None,
+        checkpoint_async: bool = False,
         evaluate_every: int | None = None,
         seed: int = 0,
         progress: bool = True,
@@ -239,6 +251,7 @@ class TrainLoop:
             )
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
+        self.checkpoint_async = checkpoint_async
         self.evaluate_every = evaluate_every
         self.seed = seed
         self.progress = progress

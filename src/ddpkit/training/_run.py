@@ -39,6 +39,7 @@ from ddpkit.fault_tolerance import TorchFT
 from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
 from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, is_distributed
 from ddpkit.process_group._seeding import reseed_torch
+from ddpkit.training._async_save import AsyncWrites
 from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, StepDriver
 from ddpkit.training._evaluation import predict_in_order
 from ddpkit.training._messages import epoch_line, evaluation_line, resume_line, skipped_model_error, stop_line
@@ -66,6 +67,7 @@ class Trains(Protocol):
     plugin: DDPPlugin
     checkpoint_dir: Path | None
     checkpoint_every: int | None
+    checkpoint_async: bool
     evaluate_every: int | None
     seed: int
     progress: bool
@@ -103,6 +105,7 @@ class TrainingRun:
         self._driver: StepDriver | None = None  # while it trains
         self._budget = Budget(1)  # the fit's, while it trains
         self._evaluated: tuple[int, dict[str, float]] | None = None  # (global step, metrics) of the last evaluation
+        self._writes = AsyncWrites()  # checkpoint_async's writes
 
     def predict(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The loop's ``predict_step`` in its precision; floating predictions come back as float32."""
@@ -182,7 +185,9 @@ class TrainingRun:
                 while not budget.done(loop.state):
                     loop.callbacks_handler.execute("on_epoch_begin")
                     self._run_epoch(driver, budget)
+                self._writes.finish()  # the last checkpoint is whole on disk when fit returns
         finally:
+            self._writes.wait()  # a stop or a failure: rank 0's write under way still completes
             self._driver = None
         loop.callbacks_handler.execute("on_train_end")
         return dict(loop.state.history)
@@ -364,9 +369,17 @@ class TrainingRun:
     # --- checkpoints ---------------------------------------------------------------------------------
 
     def _save_checkpoint(self, position: int) -> None:
-        """Write a :class:`~ddpkit.training.TrainState` after ``position`` entries of this epoch (every rank)."""
-        assert self.loop.checkpoint_dir is not None
-        self.capture(position, directory=self.loop.checkpoint_dir).write(self.loop.checkpoint_dir / CHECKPOINT_FILE)
+        """Write a :class:`~ddpkit.training.TrainState` after ``position`` entries of this epoch (every rank); with
+        ``checkpoint_async``, a whole one in rank 0's background once the last such write ended."""
+        directory = self.loop.checkpoint_dir
+        assert directory is not None
+        if self.loop.checkpoint_async:
+            self._writes.finish()  # one write at a time: the copy of this one waits until the last one is on disk
+        state = self.capture(position, directory=directory)
+        if self.loop.checkpoint_async and state.sharded is None:
+            self._writes.start(state, directory / CHECKPOINT_FILE)
+        else:
+            state.write(directory / CHECKPOINT_FILE)
 
     def capture(self, position: int, driver: StepDriver | None = None, directory: Path | None = None) -> TrainState:
         """The run after ``position`` entries of this epoch: a checkpoint's content, and what a fault-tolerant
