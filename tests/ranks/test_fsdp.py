@@ -13,7 +13,14 @@ from torch import nn
 from ddpkit import DDPPlugin, FSDPPlugin, TrainLoop
 from ddpkit.testing import run_parallel
 from tests.helpers import StopAfter
-from tests.support.sharded import Stack, fit_sharded, fit_with_a_nan_filler, max_difference, sharded_loop
+from tests.support.sharded import (
+    Stack,
+    fit_fp16_poisoned,
+    fit_sharded,
+    fit_with_a_nan_filler,
+    max_difference,
+    sharded_loop,
+)
 
 TOLERANCE = 1e-5
 
@@ -218,9 +225,21 @@ def test_fault_tolerance_with_a_sharded_model_is_refused_with_the_reason() -> No
         TrainLoop(nn.Linear(2, 2), [], plugin=FSDPPlugin(), fault_tolerance="torchft", global_batch_size=4)
 
 
-def test_fp16_with_a_sharded_model_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="bf16-mixed"):
-        TrainLoop(nn.Linear(2, 2), [], plugin=FSDPPlugin(), precision="16-mixed")
+def test_fp16_sharded_skips_a_step_with_an_inf_in_one_ranks_shard_on_every_rank() -> None:
+    """precision="16-mixed" with FSDPPlugin: torch's ShardedGradScaler. Step 3's one inf gradient element lies in
+    rank 0's shard alone; every rank skips that step (their found-inf agreed by an all-reduce), as one process does,
+    and the weights stay finite and within fp16's rounding of one process's."""
+    alone = fit_fp16_poisoned()
+    ranks = run_parallel(fit_fp16_poisoned, world_size=2, timeout=180)
+    assert [r["scaler"] for r in ranks] == ["ShardedGradScaler"] * 2
+    assert alone["scaler"] == "GradScaler"
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == alone["skipped"]
+    assert alone["skipped"][0] >= 1, "the poisoned step was skipped"
+    assert all(r["finite"] for r in ranks)
+    clean = fit_sharded(2)  # float32, no poison: fp16's rounding is the scale of what may differ
+    assert max_difference(ranks[0]["weights"], alone["weights"]) < 2 * max_difference(
+        clean["weights"], alone["weights"]
+    )
 
 
 def _positions() -> list[str | None]:

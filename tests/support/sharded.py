@@ -168,6 +168,57 @@ def fit_with_a_nan_filler(nan: bool = True) -> dict[str, Any]:
     return {"weights": loop.full_state_dict(), "finite": finite, "buffers": buffers.steps, "rank": get_rank()}
 
 
+class Poisoned(Stack):
+    """:class:`Stack` whose forward also returns ``head.weight[0, 0] * poison``: with ``poison`` infinite, that one
+    element's gradient is inf and no other's, so under FSDP only the rank holding row 0 of the head finds an inf."""
+
+    poison = 0.0
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return super().forward(x), self.head.weight[0, 0] * self.poison
+
+
+class PoisonLoop(TrainLoop):
+    """The loss of :class:`Poisoned`'s logits plus its poisoned element."""
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        rows, labels = batch
+        logits, extra = model(rows)
+        return self.criterion(logits, labels) + extra
+
+    def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, labels = batch
+        return model(rows)[0], labels
+
+
+class PoisonStep(Callback):
+    """Poisons the model's forwards in step ``step`` (1-based), on every rank."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_batch_end(self, train_loop: Any) -> None:
+        train_loop.model.poison = float("inf") if train_loop.global_step + 1 == self.step else 0.0
+
+
+def fit_fp16_poisoned(step: int = 3) -> dict[str, Any]:
+    """2 epochs of 8 whole steps (no smaller last step, whose per-rank gradients are W times one process's, so
+    fp16 may overflow in one and not the other) in ``precision="16-mixed"`` whose step ``step`` has one inf
+    gradient element (in rank 0's shard under FSDP): rank 0's whole weights, the steps fp16's scaler skipped,
+    whether every weight is finite."""
+    model = Poisoned()
+    loop = PoisonLoop(
+        model, DataLoader(Rows(8 * GLOBAL_BATCH), batch_size=BATCH, shuffle=True),
+        optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6), progress=False, plugin=FSDPPlugin(),
+        global_batch_size=GLOBAL_BATCH, precision="16-mixed",
+    )  # fmt: skip
+    loop.fit(2, callbacks=[PoisonStep(step)])
+    finite = all(bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all())
+                 for p in loop.model.parameters())  # fmt: skip
+    return {"weights": loop.full_state_dict(), "skipped": loop.history["skipped_steps"], "finite": finite,
+            "scaler": type(loop.recipe.scaler).__name__}  # fmt: skip
+
+
 def sharded_loop(
     checkpoint_dir: str | Path | None = None, *, sharded: bool = True, model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None, hsdp: bool | int = False, recompute: bool = False,

@@ -243,12 +243,6 @@ class TrainLoop:
                 "supported yet (each group would shard over its own ranks and average its gradient shards across "
                 "the quorum); train a sharded model without fault_tolerance, or use DDPPlugin with it"
             )
-        if precision == "16-mixed" and self.plugin.forwards_together:
-            raise ValueError(
-                f"precision='16-mixed' with {type(self.plugin).__name__}: fp16's gradient scaler would look for inf "
-                "in each rank's shard of the gradients alone, and ranks could disagree on skipping a step; use "
-                "precision='bf16-mixed' (no scaler needed)"
-            )
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.checkpoint_async = checkpoint_async

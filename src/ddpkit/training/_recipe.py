@@ -104,8 +104,10 @@ class Recipe:
 
     # --- set-up -------------------------------------------------------------------------------------
 
-    def bind(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        """Build the scheduler from a callable (once) and fp16's scaler, for ``optimizer`` on ``device``.
+    def bind(self, optimizer: torch.optim.Optimizer, device: torch.device, sharded: bool = False) -> None:
+        """Build the scheduler from a callable (once) and fp16's scaler, for ``optimizer`` on ``device`` (for a
+        ``sharded`` model's gradients torch's ``ShardedGradScaler``: whether any shard of any rank holds an inf or
+        nan is agreed with one all-reduce, so every rank skips the same steps).
 
         Raises:
             ValueError: the scheduler is on another optimizer than the loop's.
@@ -127,7 +129,12 @@ class Recipe:
                 "TrainLoop, or pass a callable optimizer -> scheduler"
             )
         if self.precision == "16-mixed" and self.scaler is None:
-            self.scaler = torch.amp.GradScaler(device.type)
+            if sharded:
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self.scaler = ShardedGradScaler(device.type)
+            else:
+                self.scaler = torch.amp.GradScaler(device.type)
         if self.scaler is not None and self._counting is None:
             # Whether the scaler skipped a step, without reading its scale back: it calls the optimizer's step
             # only when it found no inf or nan (its own one read of the device per step).

@@ -152,7 +152,7 @@ class TrainingRun:
             else:
                 loop.plugin.apply_activation_checkpointing(loop.model)  # configure_ddp does it with a process group
                 loop.ddp_model = loop.model
-            loop.recipe.bind(loop.optimizer, loop.device)
+            loop.recipe.bind(loop.optimizer, loop.device, sharded=loop.plugin.forwards_together and is_distributed())
             self._forward_model = loop.recipe.compiled(loop.ddp_model)
             if loop.ddp_model is not loop.model:
                 self._forward_model.register_forward_pre_hook(self._count_forward)
