@@ -277,6 +277,30 @@ def test_async_checkpoints_resume_a_crashed_run_bit_identical(tmp_path: Path) ->
     assert load_checkpoint(tmp_path / "b" / CHECKPOINT_FILE)["epoch"] == 2, "the last one on disk when fit returned"
 
 
+def _fit_in_own_directory(directory: str) -> str:
+    """A TrainLoop whose checkpoint_dir is another directory on each rank (as each node's own disk would be)."""
+    from ddpkit import get_rank
+
+    train, _ = digits_datasets(seed=0)
+    loop = TrainLoop(_model(), DataLoader(train, batch_size=64), progress=False,
+                     checkpoint_dir=f"{directory}/node-{get_rank()}")  # fmt: skip
+    try:
+        loop.fit(1)
+    except ValueError as refused:
+        return f"{refused} (steps {loop.global_step})"
+    return "trained"
+
+
+def test_a_checkpoint_dir_that_is_not_the_same_on_every_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    results = run_parallel(_fit_in_own_directory, str(tmp_path), timeout=60)
+    for rank, result in enumerate(results):
+        assert "is not the same directory on every rank: rank(s) [1] do not see a file rank 0 wrote" in result
+        assert f"this is rank {rank}" in result
+        assert "put checkpoint_dir on a shared file system" in result
+        assert result.endswith("(steps 0)"), "refused before training"
+    assert sorted(p.name for p in (tmp_path / "node-0").iterdir()) == [], "the probe file is gone"
+
+
 def _printed_run(directory: str, stop: StopAfter | None) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -19,12 +19,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import secrets
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -37,7 +40,7 @@ from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT
 from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
-from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, is_distributed
+from ddpkit.process_group import collective_device, ensure_dist_connection, get_rank, get_world_size, is_distributed
 from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.training._async_save import AsyncWrites
 from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, StepDriver
@@ -404,6 +407,8 @@ class TrainingRun:
         """Go on from the checkpoint in the loop's ``checkpoint_dir``, if there is one (every rank; rank 0 says
         where, with fault tolerance every group's); whether there was."""
         directory = self.loop.checkpoint_dir
+        if directory is not None and is_distributed():
+            check_shared(directory)  # else ranks that cannot see the checkpoint would start over: a split job
         path = directory / CHECKPOINT_FILE if directory is not None else None
         if path is None or not path.exists():
             return False
@@ -442,6 +447,37 @@ class TrainingRun:
             state["callbacks_handler"] = handler = copy.copy(loop.callbacks_handler)
             handler.callbacks = [c for c in handler.callbacks if c is not loop.ddp_handler.callback]
         return state
+
+
+def check_shared(directory: Path) -> None:
+    """Refuse, on every rank at once, a ``checkpoint_dir`` that some rank does not see as rank 0 does (a directory
+    on each node's own disk): rank 0's checkpoints would be invisible there, and a resumed run would go on from
+    one on some ranks and start over on others. One file, two collectives (every rank calls it).
+
+    Raises:
+        ValueError: the ranks that do not see rank 0's file in ``directory``, by rank and host, and the fix.
+    """
+    token = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=collective_device())  # not torch's RNG
+    dist.broadcast(token, src=0)  # rank 0's
+    marker = directory / f".ddpkit-shared-{int(token[0]):x}"
+    if get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        marker.write_text(socket.gethostname())
+    dist.barrier()
+    seen = marker.exists()
+    seen_by = torch.zeros(get_world_size(), dtype=torch.int64, device=collective_device())
+    seen_by[get_rank()] = int(seen)
+    dist.all_reduce(seen_by)  # each rank's, in its slot
+    if get_rank() == 0:
+        marker.unlink(missing_ok=True)
+    blind = [rank for rank, saw in enumerate(seen_by.tolist()) if not saw]
+    if blind:
+        raise ValueError(
+            f"checkpoint_dir={str(directory)!r} is not the same directory on every rank: rank(s) {blind} do not see a "
+            f"file rank 0 wrote there (this is rank {get_rank()} on {socket.gethostname()}). Checkpoints need a "
+            "directory that every node sees, or a run resumed from one would go on on some ranks and start over on "
+            "others: put checkpoint_dir on a shared file system (NFS, Lustre, a mounted bucket)"
+        )
 
 
 def _tokens(count: Callable[[Any], int | torch.Tensor], data: Any, weight: float) -> float | torch.Tensor:
