@@ -140,14 +140,46 @@ def save_sharded(state: dict[str, Any], directory: str | os.PathLike[str], name:
     with _alone(dist.is_initialized()):
         dcp.save(state, checkpoint_id=temporary, no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        old = _previous(target)
-        if target.exists():  # the same step written again (a run restarted from an older checkpoint)
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(target, old)  # complete, and found by load_sharded until the new one is in place
-        os.replace(temporary, target)
-        _fsync_directory(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        _place(temporary, target)
     return target
+
+
+def start_saving_sharded(
+    state: dict[str, Any], directory: str | os.PathLike[str], name: str, group: Any
+) -> Callable[[], Path]:
+    """:func:`save_sharded` with ``torch.distributed.checkpoint.async_save``: ``state`` is copied to the CPU before
+    it returns, and the write goes on in a thread, its collectives on ``group`` (a gloo group of its own: not the
+    one training uses at the same time). Returns ``finish``, which waits for this rank's write and, on rank 0,
+    puts the directory in place (call it from a thread of your own; every rank calls both)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    target = Path(directory) / name
+    temporary = target.with_name(f".{name}{_TEMPORARY_SUFFIX}")
+    started: Any = dcp.async_save(state, checkpoint_id=temporary, process_group=group)  # type: ignore[attr-defined]
+    if hasattr(started, "upload_completion"):  # torch's AsyncSaveResponse: a stager that copies in the background
+        started.staging_completion.result()  # the copy is made before training changes the tensors
+        started = started.upload_completion
+
+    def finish() -> Path:
+        started.result()  # rank 0's ends after every rank has written (its metadata gathers theirs)
+        if dist.get_rank() == 0:
+            _place(temporary, target)
+        return target
+
+    return finish
+
+
+def _place(temporary: Path, target: Path) -> None:
+    """Rename ``temporary`` to ``target``; one of the same name there already is renamed aside first and removed
+    after (:func:`save_sharded`)."""
+    old = _previous(target)
+    if target.exists():  # the same step written again (a run restarted from an older checkpoint)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)  # complete, and found by load_sharded until the new one is in place
+    os.replace(temporary, target)
+    _fsync_directory(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _previous(target: Path) -> Path:

@@ -10,7 +10,7 @@ behaviour is built on PyTorch, as each method's docstring says.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -202,12 +202,18 @@ class DDPPlugin:
         return optimizer.state_dict()
 
     def checkpoint_state(
-        self, model: nn.Module, optimizer: Optimizer, directory: Path, name: str
+        self, model: nn.Module, optimizer: Optimizer, directory: Path, name: str, *, asynchronous: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
         """What a checkpoint holds of the model and its optimizer: ``(weights, optimizer state, sharded)``, the
         model's ``state_dict()`` and :meth:`optimizer_state` (every rank calls it), ``sharded`` ``None``: they go
-        in the checkpoint file. (``FSDPPlugin`` writes its shards to ``directory / name`` and says so.)"""
+        in the checkpoint file. (``FSDPPlugin`` writes its shards to ``directory / name`` and says so; with
+        ``asynchronous`` it only starts that write, which :meth:`take_pending_write` then hands over.)"""
         return unwrap_model(model).state_dict(), self.optimizer_state(optimizer), None
+
+    def take_pending_write(self) -> Callable[[], object] | None:
+        """The write :meth:`checkpoint_state` started with ``asynchronous`` (a callable that waits for it and puts
+        it in place: call it from a thread), once; ``None`` when it started none (here: never)."""
+        return None
 
     def load_checkpoint_state(
         self, model: nn.Module, optimizer: Optimizer, weights: dict[str, Any], optimizer_state: dict[str, Any],

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 
 from ddpkit._activations import ActivationCheckpointingPolicy
 from ddpkit.batches import iter_tensors
-from ddpkit.checkpoint import save_sharded
+from ddpkit.checkpoint import save_sharded, start_saving_sharded
 from ddpkit.ddp_plugin import DDPPlugin, unwrap_model
 from ddpkit.environments import detect_environment
 from ddpkit.hangs._state import mark_model_position
@@ -117,6 +117,8 @@ class FSDPPlugin(DDPPlugin):
         self.hsdp = hsdp
         self._sharded: nn.Module | None = None  # the model configure_ddp sharded
         self._unsharded: dict[int, tuple[torch.Tensor, str]] = {}  # its parameters before, by id, with names
+        self._checkpoint_group: Any = None  # async checkpoints' gloo group, once made
+        self._pending_write: Callable[[], object] | None = None  # what checkpoint_state(asynchronous=True) started
 
     # --- the model ---------------------------------------------------------------------------------
 
@@ -276,18 +278,33 @@ class FSDPPlugin(DDPPlugin):
         return get_optimizer_state_dict(self._sharded, optimizer)
 
     def checkpoint_state(
-        self, model: nn.Module, optimizer: Optimizer, directory: Path, name: str
+        self, model: nn.Module, optimizer: Optimizer, directory: Path, name: str, *, asynchronous: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
         """Write the sharded weights and optimizer state as the sharded checkpoint ``directory / name`` (every
-        rank its shards, torch's ``torch.distributed.checkpoint`` format); ``({}, {}, name)``. Unsharded (one
-        process): the state dicts themselves, as ``DDPPlugin`` (every rank calls it)."""
+        rank its shards, torch's ``torch.distributed.checkpoint`` format); ``({}, {}, name)``. With
+        ``asynchronous``: copy the shards to the CPU and start the write (``async_save``, its collectives on a gloo
+        group of its own), which :meth:`take_pending_write` hands over. Unsharded (one process): the state dicts
+        themselves, as ``DDPPlugin`` (every rank calls it)."""
         if not _is_sharded(model):
-            return super().checkpoint_state(model, optimizer, directory, name)
+            return super().checkpoint_state(model, optimizer, directory, name, asynchronous=asynchronous)
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         weights, optimizer_state = get_state_dict(model, optimizer)
-        save_sharded({"model": weights, "optimizer": optimizer_state}, directory, name)
+        state = {"model": weights, "optimizer": optimizer_state}
+        if asynchronous:
+            if self._checkpoint_group is None:  # every rank: a collective
+                import torch.distributed as dist
+
+                self._checkpoint_group = dist.new_group(backend="gloo")
+            self._pending_write = start_saving_sharded(state, directory, name, self._checkpoint_group)
+        else:
+            save_sharded(state, directory, name)
         return {}, {}, name
+
+    def take_pending_write(self) -> Callable[[], object] | None:
+        """The write :meth:`checkpoint_state` started with ``asynchronous``, once (``None``: none)."""
+        pending, self._pending_write = self._pending_write, None
+        return pending
 
     def load_checkpoint_state(
         self, model: nn.Module, optimizer: Optimizer, weights: dict[str, Any], optimizer_state: dict[str, Any],

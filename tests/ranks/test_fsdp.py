@@ -65,6 +65,18 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_mid_epoch_on_three(tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last-e2-s18-p0.dcp", "last.pt"]
 
 
+def test_async_sharded_checkpoints_resume_mid_epoch_on_three(tmp_path: Path, one_process: dict) -> None:
+    """checkpoint_async=True with FSDPPlugin: torch's async_save writes the shards while training goes on; the
+    directory and last.pt are in place once written, and the run resumes from them as from synchronous ones."""
+    stopped = run_parallel(fit_sharded, 2, str(tmp_path), [StopAfter(step=14)], checkpoint_every=3,
+                           checkpoint_async=True, world_size=2, timeout=180)  # fmt: skip
+    assert stopped[0]["stopped"] == 14
+    assert stopped[0]["files"] == ["last-e1-s12-p72.dcp", "last.pt"], "the last one written, whole; no temporary"
+    resumed = run_parallel(fit_sharded, 2, str(tmp_path), checkpoint_async=True, world_size=3, timeout=180)
+    assert max_difference(resumed[0]["weights"], one_process["weights"]) < TOLERANCE
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last-e2-s18-p0.dcp", "last.pt"]
+
+
 def test_one_process_reads_a_sharded_checkpoint_and_a_sharded_run_reads_a_whole_one(
     tmp_path: Path, one_process: dict
 ) -> None:

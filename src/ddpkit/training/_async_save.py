@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,25 +68,33 @@ class AsyncWrites:
         self._path: Path | None = None
         self._staging = _Staging()
 
-    def start(self, state: TrainState, path: Path) -> None:
-        """Write ``state`` to ``path`` in the background (rank 0; the others return at once), after the last
-        write ended (:meth:`finish` first, on every rank: it agrees on whether that one failed)."""
+    def start(self, state: TrainState, path: Path, before: Callable[[], object] | None = None) -> None:
+        """Write ``state`` to ``path`` in the background (rank 0), after ``before`` (every rank: a sharded model's
+        write under way, which puts its directory in place), once the last write ended (:meth:`finish` first, on
+        every rank: it agrees on whether that one failed)."""
         self._path = path
         if get_rank() != 0:
+            if before is not None:
+                self._thread = threading.Thread(target=self._write, args=(None, path, before),
+                                                name="ddpkit-checkpoint-writer", daemon=True)  # fmt: skip
+                self._thread.start()
             return
         self.wait()  # its copies are the buffers this one is copied into
         staged = TrainState(**self._staging.copy({f.name: getattr(state, f.name) for f in dataclasses.fields(state)}))
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.synchronize()  # the pinned copies are complete before the thread reads them
-        self._thread = threading.Thread(target=self._write, args=(staged, path), name="ddpkit-checkpoint-writer",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(target=self._write, args=(staged, path, before),
+                                        name="ddpkit-checkpoint-writer", daemon=True)  # fmt: skip
         self._thread.start()
 
-    def _write(self, state: TrainState, path: Path) -> None:
+    def _write(self, state: TrainState | None, path: Path, before: Callable[[], object] | None) -> None:
         with contextlib.suppress(AttributeError, OSError):  # Linux: a thread's own niceness; elsewhere as it is
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # training's threads come first
         try:
-            state.save(path)
+            if before is not None:
+                before()
+            if state is not None:
+                state.save(path)
         except BaseException as exc:  # said on every rank at the next finish()
             self._error = exc
 

@@ -71,8 +71,10 @@ class TrainLoop:
             the last one to be on disk; ``fit`` returns once the last is, and a
             failed write raises on every rank at the next checkpoint or at the
             end. The copy's buffers are kept for the next checkpoint (as much
-            CPU memory as the state). A sharded model's checkpoints are still
-            written before training goes on.
+            CPU memory as the state). A sharded model's shards are written by
+            torch's ``torch.distributed.checkpoint.async_save`` (copied to the CPU,
+            written by a thread, its collectives on a gloo group of its own), its
+            directory and ``last.pt`` put in place once every rank has written.
         evaluate_every: also evaluate the validation split after every this many
             optimizer steps (besides each epoch's end; Lightning's integer
             ``val_check_interval``, Hugging Face's ``eval_steps``), exactly as

@@ -378,13 +378,13 @@ class TrainingRun:
         assert directory is not None
         if self.loop.checkpoint_async:
             self._writes.finish()  # one write at a time: the copy of this one waits until the last one is on disk
-        state = self.capture(position, directory=directory)
-        if self.loop.checkpoint_async and state.sharded is None:
-            self._writes.start(state, directory / CHECKPOINT_FILE)
+            state = self.capture(position, directory=directory, asynchronous=True)
+            self._writes.start(state, directory / CHECKPOINT_FILE, self.loop.plugin.take_pending_write())
         else:
-            state.write(directory / CHECKPOINT_FILE)
+            self.capture(position, directory=directory).write(directory / CHECKPOINT_FILE)
 
-    def capture(self, position: int, driver: StepDriver | None = None, directory: Path | None = None) -> TrainState:
+    def capture(self, position: int, driver: StepDriver | None = None, directory: Path | None = None,
+                asynchronous: bool = False) -> TrainState:  # fmt: skip
         """The run after ``position`` entries of this epoch: a checkpoint's content, and what a fault-tolerant
         replica group hands a recovering peer (every rank calls it; ``driver``: the run's, by default the one
         training now). What ``driver.gathered`` costs: DDP's gather every rank's random state and sum their
@@ -395,8 +395,9 @@ class TrainingRun:
         rngs, sums = driver.gathered(position)
         name = f"last-e{loop.state.epoch}-s{loop.state.global_step}-p{position}{SHARDED_SUFFIX}"
         weights, optimizer, sharded = loop.plugin.checkpoint_state(
-            loop.model, loop.optimizer, directory if directory is not None else Path("."), name
-        )
+            loop.model, loop.optimizer, directory if directory is not None else Path("."), name,
+            asynchronous=asynchronous,
+        )  # fmt: skip
         return TrainState.capture(
             loop.state, position, self.epochs, model=weights, optimizer=optimizer,
             callbacks=loop.callbacks_handler.state_dicts(), seed=loop.seed, recipe=loop.recipe.state_dict(),
