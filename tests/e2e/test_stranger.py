@@ -32,7 +32,8 @@ def test_an_unsigned_hang_trigger_ends_nothing_and_the_ranks_answers_tell_a_stra
     assert answers, f"the stranger saw the ranks' answers: {sorted(result['values'])}"
     for key, value in answers.items():
         told = [result["host"].encode(), b"job.py", b"all_reduce", *(str(pid).encode() for pid in result["pids"])]
-        for secret in told:
+        # Sealed bytes hold any 2-byte string by chance (a host named "vm" once): look for 4 bytes or more.
+        for secret in [secret for secret in told if len(secret) >= 4]:
             assert secret not in value, f"{key} shows {secret!r}"
 
 
