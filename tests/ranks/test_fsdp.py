@@ -153,7 +153,7 @@ def test_an_activation_checkpointing_policy_that_chooses_nothing_or_is_no_policy
 
 def test_a_nan_loss_filler_adds_zero_gradients_and_changes_no_buffer() -> None:
     """The last step of each epoch holds 1 item: rank 1 runs the split's first batch as one that counts nothing,
-    its loss infinite with an infinite derivative (nan gradients from ``loss * 0``). Every weight stays finite and
+    its loss nan with derivatives that are not finite (nan gradients from ``loss * 0``). Every weight stays finite and
     equal to the run whose filler's loss is finite, and to one process's; rank 1's buffers (a running mean, as
     BatchNorm's) are the same after that step as before it (rank 0's, which trained the item, changed)."""
     nan = run_parallel(fit_with_a_nan_filler, world_size=2, timeout=180)

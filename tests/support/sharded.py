@@ -55,10 +55,10 @@ class Indexed(Rows):
 
 
 class NanFiller(TrainLoop):
-    """A loop whose loss, with ``nan``, is infinite, with an infinite derivative (minus the log of 0, as a
-    likelihood of 0 gives), for the batch of the split's first items in order (what a rank with no item left runs in
-    a sharded model's last step; shuffled training never makes it): its backward, even scaled by 0, gives nan
-    gradients."""
+    """A loop whose loss, with ``nan``, is nan, with derivatives that are not finite (the log of 0 less itself,
+    as a likelihood of 0 gives), for the batch of the split's first items in order (what a rank with no item left
+    runs in a sharded model's last step; shuffled training never makes it): its backward, even scaled by 0, gives
+    nan gradients."""
 
     nan = True
 
@@ -67,7 +67,10 @@ class NanFiller(TrainLoop):
         outputs = model(rows)
         loss = self.criterion(outputs, labels)
         first = indices.tolist() == list(range(len(indices)))
-        return loss - torch.log(outputs.sum() * 0) if self.nan and first else loss
+        if not (self.nan and first):
+            return loss
+        nothing = torch.log(outputs.sum() * 0)  # -inf, its derivative inf
+        return loss + (nothing - nothing)  # nan
 
 
 class Block(nn.Module):
