@@ -187,7 +187,7 @@ class TrainingRun:
             with loop.preemption.watching(loop.checkpoint_dir is not None, driver.forwarded), driver:
                 while not budget.done(loop.state):
                     loop.callbacks_handler.execute("on_epoch_begin")
-                    self._run_epoch(driver, budget)
+                    self._run_epoch(driver)
                 self._writes.finish()  # the last checkpoint is whole on disk when fit returns
         finally:
             self._writes.wait()  # a stop or a failure: rank 0's write under way still completes
@@ -195,12 +195,12 @@ class TrainingRun:
         loop.callbacks_handler.execute("on_train_end")
         return dict(loop.state.history)
 
-    def _run_epoch(self, driver: StepDriver, budget: Budget) -> None:
-        """The current epoch's steps from where it stands, then its end; or, when ``budget`` runs out after a step
+    def _run_epoch(self, driver: StepDriver) -> None:
+        """The current epoch's steps from where it stands, then its end; or, when the budget runs out after a step
         that does not end the epoch (``max_steps``, a callback's ``should_stop``), the run's end there (the step's
         checkpoint is written). A commit that puts the run in another epoch (a fault-tolerant group that took a
         peer's state) begins that one: ``on_epoch_begin`` again."""
-        loop, state = self.loop, self.loop.state
+        loop, state, budget = self.loop, self.loop.state, self._budget
         epoch, start = state.epoch, state.begin_epoch()
         began = time.perf_counter()
         self.forward_model.train()
@@ -223,7 +223,7 @@ class TrainingRun:
                     loop.callbacks_handler.execute("on_epoch_begin")
                 if committed is not None:  # else not committed: the driver does it again
                     self._take_step(committed, driver)
-                    bar = self._progress(bar, driver, start, committed.position, budget)
+                    bar = self._progress(bar, driver, start, committed.position)
                 previous = time.perf_counter()
         finally:
             if bar is not None:
@@ -232,7 +232,7 @@ class TrainingRun:
         if stopped:
             self._stop_in_epoch(totals, time.perf_counter() - began, driver)
         else:
-            self._end_epoch(totals, time.perf_counter() - began, budget, driver)
+            self._end_epoch(totals, time.perf_counter() - began, driver)
 
     def train_batch(self, batch: Batch, step: Step, began: float) -> None:
         """The per-batch body: reseed, move to the device, ``training_step`` in the run's precision, backward of
@@ -260,8 +260,7 @@ class TrainingRun:
         tokens = 0.0 if loop.tokens_fn is None else _tokens(loop.tokens_fn, data, batch.weight)
         step.count(loss, batch_length(data) * batch.weight, seconds, tokens)  # padding: 0 items; no read of the loss
 
-    def _progress(self, bar: tqdm[Any] | None, driver: StepDriver, start: int, position: int, budget: Budget
-                  ) -> tqdm[Any] | None:  # fmt: skip
+    def _progress(self, bar: tqdm[Any] | None, driver: StepDriver, start: int, position: int) -> tqdm[Any] | None:
         """The epoch's bar (with ``progress``, in the leader) at ``position`` entries of the epoch's order."""
         loop = self.loop
         if bar is None:
@@ -270,7 +269,7 @@ class TrainingRun:
             source = self.epochs.source
             bar = tqdm(
                 total=source.entry_count(), initial=start, unit="item" if source.items_per_batch else "batch",
-                leave=False, desc=f"{driver.prefix}{budget.epoch_text(loop.state.epoch).replace('  ', ' ')}",
+                leave=False, desc=f"{driver.prefix}{self._budget.epoch_text(loop.state.epoch).replace('  ', ' ')}",
             )  # fmt: skip
         bar.update(position - bar.n)
         return bar
@@ -332,7 +331,7 @@ class TrainingRun:
             tqdm.write(f"{line}\n", end="")
             log.info(line)
 
-    def _end_epoch(self, totals: EpochTotals, seconds: float, budget: Budget, driver: StepDriver) -> None:
+    def _end_epoch(self, totals: EpochTotals, seconds: float, driver: StepDriver) -> None:
         """The epoch's train loss, throughput and peak memory (``totals`` of its ``seconds`` of training),
         validation, schedule and line, ``on_epoch_end``, then its checkpoint."""
         loop, state = self.loop, self.loop.state
@@ -353,7 +352,7 @@ class TrainingRun:
         self._end_epoch_recipe()
         if driver.leader:
             line = driver.prefix + epoch_line(
-                budget.epoch_text(state.epoch),
+                self._budget.epoch_text(state.epoch),
                 totals.loss,
                 metrics,
                 loop.step_times,
