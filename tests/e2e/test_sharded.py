@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import job_environment
+from tests.support.guides import shell_blocks
 
 SCRIPT = Path(__file__).parent / "sharded_job.py"
 ROOT = Path(__file__).parents[2]
@@ -47,3 +48,35 @@ def test_a_script_sharded_under_torchrun_resumes_on_three_ranks_under_ddpkit_run
     assert three["history"]["train_loss"] == pytest.approx(one["history"]["train_loss"], rel=1e-5)
     assert one["history"]["validation_accuracy"][-1] > 0.5, "it learned (10 classes)"
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["last-e3-s60-p0.dcp", "last.pt"]
+
+
+@pytest.mark.timeout(600)
+def test_the_language_model_example_stopped_at_step_30_on_two_ranks_goes_on_on_three_as_one_process_trains(
+    tmp_path: Path,
+) -> None:
+    """docs/sharded.md's commands (a step budget, evaluation and checkpoints by step, activation checkpointing,
+    asynchronous checkpoints, a callback that stops the run) in float32 with SGD, where the bound is 1e-5."""
+    example, exact = str(ROOT / "examples" / "transformer_lm.py"), ["--precision", "32", "--optimizer", "sgd"]
+
+    def run(*args: str) -> str:
+        env = {**job_environment(), "PYTHONPATH": str(ROOT)}
+        result = subprocess.run([*args, *exact], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+        return result.stdout
+
+    first, second = (  # the guide's two lines, as written, run from this checkout
+        [sys.executable, "-m", *line.replace("examples/", f"{ROOT}/examples/").split()]
+        for line in shell_blocks()[("sharded.md", 1)].splitlines()
+    )
+    stopped = run(*first)
+    assert "epoch  2  stopped after step 30 (a callback set should_stop)" in stopped
+    assert "step 20 (epoch 1)  validation loss" in stopped, "an evaluation every 20 steps"
+    assert sorted(p.name for p in (tmp_path / "runs" / "lm").iterdir()) == ["last-e1-s30-p216.dcp", "last.pt"]
+    resumed = run(*second, "--save", "three.pt")
+    assert "resuming from runs/lm: epoch 2, 216 entries into it, after 30 of 60 optimizer steps" in resumed
+    assert "epoch  3  stopped after step 60 (max_steps=60)" in resumed
+    alone = run(sys.executable, example, "--save", "one.pt")
+    (last,) = (line for line in alone.splitlines() if line.startswith("stopped after step 60"))
+    assert last in resumed.splitlines(), "the same validation loss at step 60, to 4 decimals"
+    three, one = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("three", "one"))
+    assert max(float((three[k] - one[k]).abs().max()) for k in one) < 1e-5
