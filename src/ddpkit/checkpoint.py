@@ -14,6 +14,9 @@ reshards them for any world size): every rank writes its shards into a
 temporary directory, rank 0 renames it into place, and only then does the
 file that names it replace the previous one. A directory no file names is a
 write that did not finish (or an older checkpoint's), removed by the next write.
+
+:func:`export` turns either kind into a plain ``state_dict`` file (or a
+transformers model's ``save_pretrained`` directory).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch
 __all__ = [
     "CHECKPOINT_FILE",
     "SHARDED_SUFFIX",
+    "checkpoint_weights",
+    "export",
     "load_checkpoint",
     "load_sharded",
     "remove_unnamed_sharded",
@@ -265,3 +270,90 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(descriptor)
+
+
+def export(
+    checkpoint: str | os.PathLike[str], destination: str | os.PathLike[str], model: torch.nn.Module | None = None
+) -> Path:
+    """Turn a ``TrainLoop`` checkpoint, sharded or whole, into a plain ``state_dict``: the model's whole weights
+    (on the CPU, float as trained), for ``model.load_state_dict``, other tools or a hub.
+
+    It reads in this process alone, with no collective (call it on one rank,
+    or with no process group): a sharded checkpoint is read whole, whatever
+    the number of ranks that wrote it, through ``torch.distributed.checkpoint``,
+    its weights only (not the optimizer state).
+
+    Args:
+        checkpoint: a checkpoint directory (the one that holds ``last.pt``), a
+            checkpoint file, or a sharded checkpoint's ``.dcp`` directory.
+        destination: a file (``torch.save`` of the ``state_dict``), or, with a
+            ``model`` that has ``save_pretrained`` (a transformers model), a
+            directory for it: the weights are loaded into ``model``
+            (``strict``) and ``model.save_pretrained(destination)`` writes them
+            with its config (``from_pretrained(destination)`` loads them).
+        model: optional; the weights are loaded into it (every key must match:
+            its ``load_state_dict`` raises otherwise).
+
+    Returns:
+        What was written: the file, or the directory.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``checkpoint``.
+        RuntimeError: ``model``'s ``load_state_dict`` refused the weights (names the missing and unexpected keys).
+
+    Example:
+        >>> ddpkit.checkpoint.export("runs/gpt2", "gpt2.pt")                      # a state_dict file
+        >>> ddpkit.checkpoint.export("runs/gpt2", "gpt2-final", model=GPT2LMHeadModel(config))  # save_pretrained
+    """
+    weights = checkpoint_weights(checkpoint)
+    target = Path(destination)
+    if model is not None:
+        model.load_state_dict(weights)
+        save_pretrained = getattr(model, "save_pretrained", None)  # a transformers model's
+        if callable(save_pretrained) and not target.suffix:
+            save_pretrained(target)
+            return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(weights, target)
+    return target
+
+
+def checkpoint_weights(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The model's whole weights in a ``TrainLoop`` checkpoint (:func:`export`'s ``checkpoint``), on the CPU."""
+    path = Path(checkpoint)
+    if path.is_dir() and (path / CHECKPOINT_FILE).exists():
+        path = path / CHECKPOINT_FILE
+    if path.is_dir():
+        return _sharded_weights(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no checkpoint at {path}: give a checkpoint directory (with {CHECKPOINT_FILE}), a checkpoint file, or a "
+            f"sharded checkpoint's {SHARDED_SUFFIX} directory"
+        )
+    state = load_checkpoint(path)
+    if state.get("sharded"):
+        return _sharded_weights(path.parent / state["sharded"])
+    weights: dict[str, torch.Tensor] = state["model"]
+    return weights
+
+
+def _sharded_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The ``model`` part of a sharded checkpoint, whole: empty tensors of the shapes and dtypes its metadata
+    gives, filled by ``torch.distributed.checkpoint.load`` (the optimizer state is not read)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    if not (path / ".metadata").exists() and (_previous(path) / ".metadata").exists():
+        path = _previous(path)
+    if not (path / ".metadata").exists():
+        raise FileNotFoundError(f"no sharded checkpoint at {path} (its .metadata is missing)")
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    weights = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    with _alone(False):
+        load({"model": weights}, checkpoint_id=path, no_dist=True)
+    return weights

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from tqdm import tqdm
 
 from ddpkit._activations import ActivationCheckpointingPolicy
 from ddpkit.batches import iter_tensors
@@ -28,7 +29,7 @@ from ddpkit.checkpoint import save_sharded, start_saving_sharded
 from ddpkit.ddp_plugin import DDPPlugin, unwrap_model
 from ddpkit.environments import detect_environment
 from ddpkit.hangs._state import mark_model_position
-from ddpkit.process_group import ensure_dist_connection, get_world_size, is_distributed
+from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, is_distributed
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,9 +56,12 @@ class FSDPPlugin(DDPPlugin):
         auto_wrap_policy: which submodules are units of their own (each gathers
             its full weights only while it computes): a set of module classes
             (e.g. ``{TransformerBlock}``), or a callable ``module -> bool``. Default:
-            every child with parameters of the outermost ``nn.Sequential`` or
+            the modules the model names in ``_no_split_modules`` (transformers'
+            list of its blocks, e.g. ``GPT2Block``) when it has some, else every
+            child with parameters of the outermost ``nn.Sequential`` or
             ``nn.ModuleList`` on each path from the model down (the layers of a
             stack, the blocks of a transformer; not the layers inside a block).
+            :meth:`units` lists them, and rank 0 prints them when it shards.
         reshard_after_forward: free each unit's full weights after its forward
             and gather them again for its backward (torch's default, ``True``);
             ``False`` keeps them until the backward (less communication, more memory).
@@ -159,7 +163,10 @@ class FSDPPlugin(DDPPlugin):
         if self.offload_policy is not None:
             options["offload_policy"] = self.offload_policy
         _broadcast_from_rank_zero(model)
-        for unit in self._units(model):
+        units = self._units(model)
+        if get_rank() == 0:
+            tqdm.write(f"FSDPPlugin: {_units_text(model, units, self._units_source(model))}\n", end="")
+        for unit in units:
             fully_shard(unit, **options)
         fully_shard(model, **options)
         _mark_units(model)
@@ -182,11 +189,30 @@ class FSDPPlugin(DDPPlugin):
             )
         return init_device_mesh(device_type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
 
+    def units(self, model: nn.Module) -> list[str]:
+        """The names (as ``model.named_modules()`` gives them, in its order) of the submodules that are units of
+        their own, as ``auto_wrap_policy`` or the default chooses them; the whole model is one too, for the
+        parameters they leave (not listed). A model already sharded or wrapped is looked through."""
+        model = unwrap_model(model)
+        chosen = {id(unit) for unit in self._units(model)}
+        return [name for name, module in model.named_modules() if id(module) in chosen]
+
+    def _units_source(self, model: nn.Module) -> str:
+        """Where the units come from, in words."""
+        if self.auto_wrap_policy is not None:
+            return "auto_wrap_policy"
+        return "the model's _no_split_modules" if _no_split_classes(model) else "the layers of its stacks"
+
     def _units(self, model: nn.Module) -> list[nn.Module]:
         """The submodules to shard as units of their own, children before their parents."""
         policy = self.auto_wrap_policy
         if policy is None:
-            chosen = {id(unit) for unit in _stack_layers(model)}
+            names = _no_split_classes(model)
+            chosen = (
+                {id(unit) for unit in model.modules() if type(unit).__name__ in names}
+                if names
+                else {id(unit) for unit in _stack_layers(model)}
+            )
             wanted: Callable[[nn.Module], bool] = lambda module: id(module) in chosen  # noqa: E731
         elif callable(policy) and not isinstance(policy, type):
             wanted = policy
@@ -378,6 +404,33 @@ def _backward_enters(label: str, module: nn.Module, args: Any, output: Any) -> N
 
 def _gradient_arrived(label: str, gradient: torch.Tensor) -> None:
     mark_model_position(label)
+
+
+def _no_split_classes(model: nn.Module) -> set[str]:
+    """The class names in the ``_no_split_modules`` of the outermost module that has one (transformers' blocks
+    that must stay whole: the model's, or the model's inside a user's wrapper) of which the model has at least one;
+    empty when none."""
+    hints = (getattr(module, "_no_split_modules", None) for module in model.modules())
+    hint: Any = next((found for found in hints if found is not None), ())
+    present = {type(module).__name__ for module in model.modules() if module is not model}
+    return {name for name in hint if isinstance(name, str)} & present
+
+
+def _units_text(model: nn.Module, units: list[nn.Module], source: str) -> str:
+    """``3 units (GPT2Block: transformer.h.0 ... transformer.h.2; from the model's _no_split_modules) and the
+    whole model for the rest``: what ``configure_ddp`` shards, on one line."""
+    names = {id(module): name for name, module in model.named_modules()}
+    by_class: dict[str, list[str]] = {}
+    for unit in reversed(units):  # the model's order
+        by_class.setdefault(type(unit).__name__, []).append(names[id(unit)])
+    kinds = "; ".join(
+        f"{cls}: {', '.join(found) if len(found) <= 3 else f'{found[0]} ... {found[-1]}'}"
+        for cls, found in by_class.items()
+    )
+    return (
+        f"{len(units)} unit{'s' if len(units) != 1 else ''} of their own ({kinds or 'none'}; from {source}), and the "
+        "whole model for the parameters they leave"
+    )
 
 
 def _stack_layers(module: nn.Module) -> Iterator[nn.Module]:

@@ -31,9 +31,10 @@ def shell_blocks() -> dict[tuple[str, int], str]:
 #: How the blocks that this test does not run itself run: the quick start is CI's own script, and the sbatch
 #: scripts (the clusters guide's, the fault-tolerance guide's) are submitted to the two-node Slurm cluster by
 #: tests/e2e/test_schedulers.py, which also runs the fault-tolerance guide's mpirun line on two "nodes"; the
-#: sharded guide's language model is run by tests/e2e/test_sharded.py in float32 (where its bound is checked).
+#: sharded guide's language model is run by tests/e2e/test_sharded.py in float32 (where its bound is checked), the
+#: TrainLoop guide's transformers model by tests/e2e/test_hf_models.py (with the hf extra).
 ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("installation.md", 0), ("clusters.md", 1),
-             ("fault-tolerance.md", 3), ("fault-tolerance.md", 4), ("sharded.md", 1)}  # fmt: skip
+             ("fault-tolerance.md", 3), ("fault-tolerance.md", 4), ("sharded.md", 1), ("trainloop.md", 0)}  # fmt: skip
 
 
 #: What a block needs to run on one 2-core machine, by (page, index): ``nodes`` (2: every line that names

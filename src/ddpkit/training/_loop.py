@@ -29,6 +29,7 @@ from ddpkit.jobs.launch import StartMethod
 from ddpkit.plotting import plot_history
 from ddpkit.process_group import ensure_dist_connection, rank_device
 from ddpkit.training._ddp_steps import DDPSteps
+from ddpkit.training._default_steps import DefaultSteps, MetricSet
 from ddpkit.training._driver import Budget, StepDriver
 from ddpkit.training._fault_tolerant import FaultTolerantSteps
 from ddpkit.training._new_processes import fit_elsewhere
@@ -52,7 +53,10 @@ class TrainLoop:
         validation_loader: evaluated after each epoch (optional).
         test_loader: for :meth:`evaluate` (optional).
         optimizer: default ``torch.optim.Adam(model.parameters())`` (learning rate 1e-3).
-        criterion: the loss; default ``nn.CrossEntropyLoss()``.
+        criterion: the loss of the default :meth:`training_step` when the model
+            computes none of its own; default ``nn.CrossEntropyLoss()`` (per-token
+            scores ``(N, T, V)`` with labels ``(N, T)`` taken as ``N * T``
+            samples, labels ``-100`` left out).
         device: default ``cuda:<local rank>`` when CUDA is available, else CPU.
         plugin: the :class:`~ddpkit.DDPPlugin` that wraps the model (default ``DDPPlugin()``), or an
             :class:`~ddpkit.FSDPPlugin` that shards it (weights, gradients and optimizer state ``1/W`` per rank).
@@ -165,12 +169,30 @@ class TrainLoop:
             ``history["tokens_per_second"]`` has them (as Lightning's
             ``ThroughputMonitor(length_fn=...)`` and torchtitan's tps). Default
             ``None``: items/s alone.
+        metrics: what the default :meth:`predict_step` and
+            :meth:`compute_metrics` report. ``"lm"``: a language model's (any
+            per-token scores') ``loss`` (the mean negative log-likelihood a
+            token, in nats; labels ``-100`` count in nothing), ``perplexity``
+            (``exp(loss)``) and ``token_accuracy``, each sequence gathered as 3
+            numbers rather than its ``(T, V)`` logits.
+            ``"classification"``: ``loss`` (the criterion) and, for scores
+            ``(N, C)``, ``accuracy``. Default ``None``: ``"lm"`` when the
+            model's prediction is per-token scores ``(N, T, V)`` of integer
+            labels ``(N, T)``, else ``"classification"``.
+
+    Raises:
+        ValueError: a setting out of range (``checkpoint_every``,
+            ``evaluate_every``, ``metrics``, ...), named with the fix.
 
     Attributes aitoolbox's ``DDPHandler`` uses: ``train_loader``, ``validation_loader``, ``test_loader``,
     ``device``, ``callbacks_handler``, ``ddp_handler`` (a :class:`~ddpkit.DDPHandler` once :meth:`fit` has set up).
 
-    Override :meth:`training_step`, :meth:`predict_step`, :meth:`compute_metrics`
-    or :meth:`batch_to_device` for batches that are not ``(inputs, targets)``.
+    The default steps take a batch ``(inputs, targets)`` (``model(inputs)``) or a
+    mapping of the model's keyword arguments (``model(**batch)``, its targets
+    under ``"labels"``: transformers' convention), and a model that returns a
+    tensor or an output with ``loss`` and ``logits`` (transformers'
+    ``ModelOutput``). Override :meth:`training_step`, :meth:`predict_step`,
+    :meth:`compute_metrics` or :meth:`batch_to_device` for other batches.
     """
 
     #: The epoch being trained (0-based).
@@ -219,6 +241,7 @@ class TrainLoop:
         compile: bool | dict[str, Any] = False,
         fault_tolerance: str | TorchFT | None = None,
         tokens_fn: Callable[[Any], int | torch.Tensor] | None = None,
+        metrics: MetricSet = None,
     ) -> None:
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 1 optimizer steps (or None)")
@@ -237,6 +260,8 @@ class TrainLoop:
         self.test_loader = test_loader
         self.optimizer = optimizer if optimizer is not None else torch.optim.Adam(model.parameters())
         self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
+        #: What the default steps learned of the model (which metrics; how its labels line up).
+        self.default_steps = DefaultSteps(criterion is not None, metrics)
         self.device = torch.device(device) if device is not None else rank_device()
         self.plugin = plugin if plugin is not None else DDPPlugin()
         if self.fault_tolerance is not None and self.plugin.forwards_together:
@@ -287,27 +312,36 @@ class TrainLoop:
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The loss of one batch (a scalar tensor); ``model`` is the DDP-wrapped model.
 
-        Default: ``criterion(model(inputs), targets)`` for a batch ``(inputs, targets)``.
+        Default: the model's own loss when its output has one (``output.loss``,
+        transformers' ``ModelOutput``), else ``criterion(prediction, targets)``
+        (the prediction: the output, or its ``logits``); the model is called as
+        ``model(inputs)`` for a batch ``(inputs, targets)``, ``model(**batch)``
+        for a mapping (the targets under ``"labels"``).
+
+        Raises:
+            TypeError: a batch of another form, or an output with neither a loss nor a prediction: override
+                this method.
         """
-        inputs, targets = batch
-        loss: torch.Tensor = self.criterion(model(inputs), targets)
-        return loss
+        return self.default_steps.loss(model, batch, self.criterion)
 
     def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(predictions, targets)`` of one batch, one row per sample. Default: ``(model(inputs), targets)``."""
-        inputs, targets = batch
-        return model(inputs), targets
+        """``(predictions, targets)`` of one batch, one row per sample: every row is gathered on every rank, so
+        keep rows small (reduce per-token results per sample here).
+
+        Default: ``(prediction, targets)`` of the batch as :meth:`training_step`
+        calls the model; with ``metrics="lm"`` (the default for per-token
+        scores), each sequence's ``(summed negative log-likelihood, tokens,
+        correct tokens)`` instead of its logits.
+        """
+        return self.default_steps.predict(model, batch)
 
     def compute_metrics(self, predictions: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         """Metrics from the predictions and targets of a whole split, in order (the same on every rank).
 
         Default: ``loss`` (the criterion), and ``accuracy`` for class scores ``(N, C)``
-        with integer targets ``(N,)``.
+        with integer targets ``(N,)``; with ``metrics="lm"``, ``loss``, ``perplexity`` and ``token_accuracy``.
         """
-        metrics = {"loss": float(self.criterion(predictions, targets))}
-        if predictions.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point():
-            metrics["accuracy"] = float((predictions.argmax(dim=1) == targets).double().mean())
-        return metrics
+        return self.default_steps.compute(predictions, targets, self.criterion)
 
     # --- training ----------------------------------------------------------------------------------
 

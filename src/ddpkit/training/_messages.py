@@ -17,12 +17,23 @@ from ddpkit.training._state import RunState
 __all__ = ["epoch_line", "evaluation_line", "resume_line", "skipped_model_error", "stop_line", "straggler_text"]
 
 
+def step_name(loop: object, method: str) -> str:
+    """``MyLoop.training_step (train.py:12)``: a loop's step method by its class and where it is defined."""
+    function = getattr(type(loop), method)
+    return f"{type(loop).__name__}.{method}{_where(function)}"
+
+
+def _where(function: Callable[..., Any]) -> str:
+    """`` (file:line)`` of ``function``, or nothing when its source is not found."""
+    with contextlib.suppress(TypeError, OSError):
+        return f" ({inspect.getsourcefile(function)}:{inspect.getsourcelines(function)[1]})"
+    return ""
+
+
 def skipped_model_error(method: Callable[..., Any], state: RunState, index: int) -> DDPKitError:
     """The error of a rank whose ``training_step`` (``method``, the class's function) did not run the DDP model
     (it would skip the all-reduce the other ranks wait in), naming the step and where ``training_step`` is."""
-    where = ""
-    with contextlib.suppress(TypeError, OSError):
-        where = f" ({inspect.getsourcefile(method)}:{inspect.getsourcelines(method)[1]})"
+    where = _where(method)
     return DDPKitError(
         f"rank {get_rank()}: training_step{where} did not call the model in step {state.global_step + 1} (epoch "
         f"{state.epoch + 1}, batch {index}), so this rank would skip DDP's gradient all-reduce that the other "

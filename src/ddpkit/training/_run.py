@@ -43,9 +43,17 @@ from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
 from ddpkit.process_group import collective_device, ensure_dist_connection, get_rank, get_world_size, is_distributed
 from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.training._async_save import AsyncWrites
+from ddpkit.training._default_steps import returned_loss, returned_prediction
 from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, StepDriver
 from ddpkit.training._evaluation import predict_in_order
-from ddpkit.training._messages import epoch_line, evaluation_line, resume_line, skipped_model_error, stop_line
+from ddpkit.training._messages import (
+    epoch_line,
+    evaluation_line,
+    resume_line,
+    skipped_model_error,
+    step_name,
+    stop_line,
+)
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Recipe
 from ddpkit.training._sources import epoch_source
@@ -113,7 +121,9 @@ class TrainingRun:
     def predict(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The loop's ``predict_step`` in its precision; floating predictions come back as float32."""
         with self.loop.recipe.autocast(self.loop.device):
-            predictions, targets = self.loop.predict_step(model, batch)
+            predictions, targets = returned_prediction(
+                self.loop.predict_step(model, batch), lambda: step_name(self.loop, "predict_step")
+            )
         if predictions.is_floating_point() and predictions.dtype != torch.float64:
             predictions = predictions.float()
         return predictions, targets
@@ -253,6 +263,8 @@ class TrainingRun:
             calls = self._forward_calls
             with loop.recipe.autocast(loop.device):
                 loss = loop.training_step(self.forward_model, data)
+                if type(loss) is not torch.Tensor or loss.dim():
+                    loss = returned_loss(loss, lambda: step_name(loop, "training_step"))
             seconds = time.perf_counter() - began
             if batch.synced and self._forward_calls == calls and isinstance(model, DistributedDataParallel):
                 raise skipped_model_error(type(loop).training_step, loop.state, batch.index)
