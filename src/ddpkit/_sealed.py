@@ -11,11 +11,13 @@ absent, so a stranger's write does nothing; a *private* value (a rank's host
 name, pid and stacks) is also encrypted, so a stranger who reads the store
 learns nothing from it. Without a secret, values are stored as they are.
 
-The cipher is built from the standard library: a SHAKE-256 keystream (the key
-and a fresh 16-byte nonce as its input) and HMAC-SHA256 over the nonce, the key
-name and the ciphertext (encrypt-then-MAC), keys derived with HMAC from the
-secret. No counter is used anywhere a count would decide something: a stranger
-could add to it.
+A signed value carries HMAC-SHA256 over its key's name and the value; a private
+one is sealed with ChaCha20-Poly1305 (the ``cryptography`` package's AEAD, RFC
+8439) under a fresh random 12-byte nonce, its key's name as associated data.
+Both keys are derived with HMAC from the secret and the context. No counter is
+used anywhere a count would decide something: a stranger could add to it.
+A value sealed by ddpkit 0.2's own cipher (its ``-v1`` prefix) is refused with
+a warning: every rank of a job must run the same ddpkit.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ import logging
 import os
 from typing import Any
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
 from ddpkit._secret import DIGEST_BYTES, tag
 
 __all__ = ["SealedKeys"]
@@ -33,8 +38,10 @@ __all__ = ["SealedKeys"]
 log = logging.getLogger(__name__)
 
 _SIGNED = b"ddpkit-signed-key-v1\0"
-_PRIVATE = b"ddpkit-sealed-key-v1\0"
-_NONCE_BYTES = 16
+_PRIVATE = b"ddpkit-sealed-key-v2\0"
+_OLD_PRIVATE = b"ddpkit-sealed-key-v1\0"  # ddpkit 0.2's SHAKE-256 keystream with HMAC: refused
+_NONCE_BYTES = 12  # ChaCha20-Poly1305's; random each time (2**-96 a collision)
+_said_old = False  # the old format's warning is given once a process (a stranger could write many)
 
 
 class SealedKeys:
@@ -53,7 +60,8 @@ class SealedKeys:
     def __init__(self, store: Any, secret: bytes | None, context: str) -> None:
         self.store, self._context = store, context
         self._sign_key = tag(secret, "ddpkit group keys: sign", context) if secret is not None else None
-        self._seal_key = tag(secret, "ddpkit group keys: seal", context) if secret is not None else None
+        seal_key = tag(secret, "ddpkit group keys: seal", context) if secret is not None else None
+        self._seal_key = ChaCha20Poly1305(seal_key) if seal_key is not None else None
 
     @property
     def signed(self) -> bool:
@@ -67,8 +75,7 @@ class SealedKeys:
         if not private:
             return _SIGNED + self._mac(b"signed", key, value) + value
         nonce = os.urandom(_NONCE_BYTES)
-        hidden = _xor(value, hashlib.shake_256(self._seal_key + nonce).digest(len(value)))
-        return _PRIVATE + nonce + self._mac(b"private", key, nonce + hidden) + hidden
+        return _PRIVATE + nonce + self._seal_key.encrypt(nonce, value, _associated(key))
 
     def open(self, key: str, stored: bytes) -> bytes | None:
         """The value that :meth:`seal` made for ``key``, or ``None`` when ``stored`` is not one (a stranger's)."""
@@ -78,17 +85,13 @@ class SealedKeys:
             signature, value = stored[len(_SIGNED) : len(_SIGNED) + DIGEST_BYTES], stored[len(_SIGNED) + DIGEST_BYTES :]
             return value if hmac.compare_digest(signature, self._mac(b"signed", key, value)) else None
         if stored.startswith(_PRIVATE):
-            body = stored[len(_PRIVATE) :]
-            nonce, signature, hidden = (
-                body[:_NONCE_BYTES],
-                body[_NONCE_BYTES : _NONCE_BYTES + DIGEST_BYTES],
-                body[_NONCE_BYTES + DIGEST_BYTES :],
-            )
-            if len(nonce) != _NONCE_BYTES or not hmac.compare_digest(
-                signature, self._mac(b"private", key, nonce + hidden)
-            ):
+            nonce, sealed = stored[len(_PRIVATE) : len(_PRIVATE) + _NONCE_BYTES], stored[len(_PRIVATE) + _NONCE_BYTES :]
+            try:
+                return self._seal_key.decrypt(nonce, sealed, _associated(key)) if len(nonce) == _NONCE_BYTES else None
+            except InvalidTag:
                 return None
-            return _xor(hidden, hashlib.shake_256(self._seal_key + nonce).digest(len(hidden)))
+        if stored.startswith(_OLD_PRIVATE):
+            _say_old_format(key)
         return None
 
     def put(self, key: str, value: bytes, *, private: bool = False) -> None:
@@ -133,5 +136,18 @@ class SealedKeys:
         return hmac.new(self._sign_key, kind + len(name).to_bytes(8, "big") + name + data, hashlib.sha256).digest()
 
 
-def _xor(data: bytes, stream: bytes) -> bytes:
-    return (int.from_bytes(data, "big") ^ int.from_bytes(stream, "big")).to_bytes(len(data), "big")
+def _associated(key: str) -> bytes:
+    """What a private value is bound to besides its seal key: its key's name (a copy under another key fails)."""
+    name = key.encode()
+    return b"private" + len(name).to_bytes(8, "big") + name
+
+
+def _say_old_format(key: str) -> None:
+    global _said_old
+    if not _said_old:
+        _said_old = True
+        log.warning(
+            "the value of %r in the group's store was sealed by ddpkit 0.2 (a format no longer read): every rank of a "
+            "job must run the same ddpkit version; the value is ignored",
+            key,
+        )

@@ -122,3 +122,32 @@ def test_a_groups_id_is_rank_0s_fresh_one_and_one_written_back_from_an_earlier_g
     for rank in (1, 2):
         assert isinstance(second[rank], GroupProofError), "no rank takes the id written back, nor its old answer"
         assert "could not be agreed in its store at 127.0.0.1:1: rank 0 found a value written back" in str(second[rank])
+
+
+def test_private_values_are_sealed_with_chacha20_poly1305_and_the_old_format_is_refused_once_with_a_warning(
+    store: dist.Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    from ddpkit import _sealed
+    from ddpkit._secret import tag
+
+    keys = SealedKeys(store, SECRET, "ctx")
+    first, second = keys.seal("k", b"the same value", private=True), keys.seal("k", b"the same value", private=True)
+    assert first != second, "a fresh nonce each time"
+    prefix = b"ddpkit-sealed-key-v2\0"
+    assert first.startswith(prefix)
+    nonce, sealed = first[len(prefix) : len(prefix) + 12], first[len(prefix) + 12 :]
+    aead = ChaCha20Poly1305(tag(SECRET, "ddpkit group keys: seal", "ctx"))  # the library opens it, no ddpkit code
+    assert aead.decrypt(nonce, sealed, b"private" + (1).to_bytes(8, "big") + b"k") == b"the same value"
+    monkeypatch.setattr(_sealed, "_said_old", False)
+    store.set("old", b"ddpkit-sealed-key-v1\0" + bytes(64))
+    store.set("old2", b"ddpkit-sealed-key-v1\0" + bytes(64))
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        assert keys.read("old") is None
+        assert keys.read("old2") is None
+    said = [r.getMessage() for r in caplog.records if "sealed by ddpkit 0.2" in r.getMessage()]
+    assert said == ["the value of 'old' in the group's store was sealed by ddpkit 0.2 (a format no longer read): every "
+                    "rank of a job must run the same ddpkit version; the value is ignored"]  # fmt: skip
