@@ -32,8 +32,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data import DataLoader, IterableDataset, default_collate, default_convert, get_worker_info
 
 from ddpkit._stream_progress import StreamProgress, TakenItems
 from ddpkit._stream_shards import num_shards, read_all, shard_source

@@ -17,8 +17,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_collate
 
 from ddpkit.collectives import all_gather_object
 from ddpkit.loaders import build_loader_sampler, distributed_sampler_of, stream_loader
