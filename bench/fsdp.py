@@ -81,7 +81,7 @@ def _data(steps: int) -> TensorDataset:
 
 
 def _quiet(fit: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fit(...)`` without its epoch lines (this benchmark prints its own)."""
+    """``fit(...)`` (or ``configure_ddp``) without its lines (this benchmark prints its own)."""
     with contextlib.redirect_stdout(io.StringIO()):
         return fit(*args, **kwargs)
 
@@ -209,7 +209,9 @@ class _StepTimes(Callback):
 def stalls(steps: int, device_type: str) -> dict[str, list[float]]:
     """Seconds of each step that follows a checkpoint and of the others, with and without checkpoint_async."""
     device = rank_device() if device_type == "cuda" else torch.device("cpu")
-    directory = Path(tempfile.mkdtemp(prefix="ddpkit-bench-"))
+    shared = [tempfile.mkdtemp(prefix="ddpkit-bench-") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(shared, src=0)  # one directory that every rank sees, as fit checks
+    directory = Path(shared[0])
     items = steps * 4 * dist.get_world_size()
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(items, 2048, generator=generator), torch.randint(0, 10, (items,)))
@@ -218,7 +220,7 @@ def stalls(steps: int, device_type: str) -> dict[str, list[float]]:
         torch.manual_seed(0)
         model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(6)))
         times = _StepTimes()
-        where = directory / f"{asynchronous}-{len(results)}-{dist.get_rank()}"
+        where = directory / f"{asynchronous}-{len(results)}"
         loop = ddpkit.TrainLoop(
             model, DataLoader(data, batch_size=4), optimizer=torch.optim.SGD(model.parameters(), lr=1e-4),
             device=device, progress=False, checkpoint_dir=where, checkpoint_every=5, checkpoint_async=asynchronous,
@@ -231,7 +233,9 @@ def stalls(steps: int, device_type: str) -> dict[str, list[float]]:
         results.setdefault(f"{kind} other", []).extend(
             d for number, d in enumerate(durations, start=2) if number % 5 not in (0, 1)
         )  # fmt: skip
-    shutil.rmtree(directory, ignore_errors=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
     return results
 
 
@@ -242,7 +246,7 @@ def held(device_type: str) -> dict[str, int]:
     model, plugin = Stack().to(device), ddpkit.FSDPPlugin()
     optimizer = torch.optim.Adam(model.parameters())
     if dist.get_world_size() > 1:
-        plugin.configure_ddp(model, [device.index or 0] if device.type == "cuda" else None)
+        _quiet(plugin.configure_ddp, model, [device.index or 0] if device.type == "cuda" else None)
         plugin.shard_optimizer(optimizer)
     x = torch.randn(BATCH, LENGTH, 32, device=device)
     nn.functional.cross_entropy(model(x), torch.zeros(BATCH, dtype=torch.int64, device=device)).backward()
@@ -268,7 +272,7 @@ def checkpoints(rounds: int, device_type: str) -> dict[str, list[float]]:
 
     fsdp_plugin, ddp_plugin = ddpkit.FSDPPlugin(), ddpkit.DDPPlugin()
     sharded_model, sharded_optimizer = big()
-    fsdp_plugin.configure_ddp(sharded_model, [device.index or 0] if device.type == "cuda" else None)
+    _quiet(fsdp_plugin.configure_ddp, sharded_model, [device.index or 0] if device.type == "cuda" else None)
     fsdp_plugin.shard_optimizer(sharded_optimizer)
     whole_model, whole_optimizer = big()
     for model, optimizer in ((sharded_model, sharded_optimizer), (whole_model, whole_optimizer)):
