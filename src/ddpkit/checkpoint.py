@@ -202,13 +202,23 @@ def load_sharded(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    path = Path(path)
-    if not (path / ".metadata").exists() and (_previous(path) / ".metadata").exists():
-        path = _previous(path)  # a crash came between save_sharded's two renames: the old one is complete
-    if not (path / ".metadata").exists():
-        raise FileNotFoundError(f"no sharded checkpoint at {path} (its .metadata is missing)")
+    path = _complete_sharded(Path(path))
     with _alone(dist.is_initialized()):
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())  # type: ignore[attr-defined]
+
+
+def _complete_sharded(path: Path) -> Path:
+    """The complete sharded checkpoint of the name ``path``: itself, or the old one :func:`save_sharded` renamed
+    aside when a crash came between its two renames.
+
+    Raises:
+        FileNotFoundError: neither is there.
+    """
+    if not (path / ".metadata").exists() and (_previous(path) / ".metadata").exists():
+        return _previous(path)
+    if not (path / ".metadata").exists():
+        raise FileNotFoundError(f"no sharded checkpoint at {path} (its .metadata is missing)")
+    return path
 
 
 @contextlib.contextmanager
@@ -281,7 +291,8 @@ def export(
     It reads in this process alone, with no collective (call it on one rank,
     or with no process group): a sharded checkpoint is read whole, whatever
     the number of ranks that wrote it, through ``torch.distributed.checkpoint``,
-    its weights only (not the optimizer state).
+    its weights only (not the optimizer state; torch's ``dcp_to_torch_save``
+    converts the whole state).
 
     Args:
         checkpoint: a checkpoint directory (the one that holds ``last.pt``), a
@@ -344,10 +355,7 @@ def _sharded_weights(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    if not (path / ".metadata").exists() and (_previous(path) / ".metadata").exists():
-        path = _previous(path)
-    if not (path / ".metadata").exists():
-        raise FileNotFoundError(f"no sharded checkpoint at {path} (its .metadata is missing)")
+    path = _complete_sharded(path)
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
     weights = {
         key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
