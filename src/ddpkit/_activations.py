@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import nn
 
+from ddpkit._torch_private import private
+
 __all__ = ["ActivationCheckpointingPolicy", "checked_policy", "checkpoint_activations"]
 
 #: Which submodules recompute their activations: module classes, a callable ``module -> bool``, or torch's
@@ -50,16 +52,12 @@ def checkpoint_activations(model: nn.Module, policy: ActivationCheckpointingPoli
     Raises:
         ValueError: ``policy`` chose no submodule of ``model`` (the option would silently change nothing).
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # torch's own, as torchtitan uses it
-        CheckpointImpl,
-        CheckpointWrapper,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
+    wrapper_class = private("checkpoint_wrapper_class")  # torch's own, as torchtitan uses it
+    checkpoint_wrapper, no_reentrant = private("checkpoint_wrapper"), private("checkpoint_impl").NO_REENTRANT
 
-    if any(isinstance(module, CheckpointWrapper) for module in model.modules()):  # done already (a second set-up)
+    if any(isinstance(module, wrapper_class) for module in model.modules()):  # done already (a second set-up)
         return [n.replace("._checkpoint_wrapped_module", "") for n, m in model.named_modules()
-                if isinstance(m, CheckpointWrapper)]  # fmt: skip
+                if isinstance(m, wrapper_class)]  # fmt: skip
     checked = checked_policy(policy)
     assert checked is not None
     options: dict[str, Any]
@@ -70,9 +68,9 @@ def checkpoint_activations(model: nn.Module, policy: ActivationCheckpointingPoli
     else:
         classes = (checked,) if isinstance(checked, type) else tuple(checked)
         options = {"check_fn": lambda module: isinstance(module, classes)}
-    wrap = lambda module: checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)  # noqa: E731
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, **options)
-    wrapped = [name for name, module in model.named_modules() if isinstance(module, CheckpointWrapper)]
+    wrap = lambda module: checkpoint_wrapper(module, checkpoint_impl=no_reentrant)  # noqa: E731
+    private("apply_activation_checkpointing")(model, checkpoint_wrapper_fn=wrap, **options)
+    wrapped = [name for name, module in model.named_modules() if isinstance(module, wrapper_class)]
     if not wrapped:
         raise ValueError(
             f"activation_checkpointing_policy={policy!r} chose no submodule of {type(model).__name__}: name the "

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ddpkit._channel import Channel
 from ddpkit._secret import DIGEST_BYTES, GUIDE, secret_source, tag
+from ddpkit._torch_private import group_timeout, set_group_timeout
 from ddpkit.errors import GroupProofError
 
 __all__ = [
@@ -97,7 +98,7 @@ def prove_members(
     seeing = Channel(rank, listen) if gloo and listen else None
     device = _device(group)
     restore = _timeout_of(group)
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
+    set_group_timeout(group, timedelta(seconds=timeout))
 
     def all_gather(value: torch.Tensor) -> list[torch.Tensor]:
         gathered = [torch.empty_like(value) for _ in range(size)]
@@ -109,7 +110,7 @@ def prove_members(
                       channel=seeing)  # fmt: skip
     finally:  # a refused group keeps its own timeout too, for whatever its caller does with it next
         if restore is not None:
-            dist.distributed_c10d._set_pg_timeout(restore, group)
+            set_group_timeout(group, restore)
 
 
 def check_members(
@@ -268,13 +269,9 @@ def _describer(names: Mapping[int, str] | Callable[[], Mapping[int, str]] | None
 
 def _timeout_of(group: dist.ProcessGroup | None) -> timedelta | None:
     """The group's own timeout, to restore after the proof (``None`` where the backend does not say)."""
-    try:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        device = torch.device("cuda") if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
-        found = pg._get_backend(device).options._timeout
-    except Exception:  # another backend, or another torch
-        return None
-    return found if isinstance(found, timedelta) else None
+    pg = group if group is not None else dist.group.WORLD
+    device = torch.device("cuda") if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+    return group_timeout(pg, device)
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ddpkit._sealed import SealedKeys
 from ddpkit._secret import DIGEST_BYTES, GUIDE, secret_source, tag
+from ddpkit._torch_private import default_store
 from ddpkit.errors import GroupProofError
 
 __all__ = [
@@ -177,10 +178,11 @@ def gloo_addresses(group: dist.ProcessGroup | None = None) -> dict[int, str]:
     who it should be, it is the address of whoever took its place.
     """
     try:
-        store: Any = dist.distributed_c10d._get_default_store()
+        store: Any = default_store()
         while hasattr(store, "underlying_store"):
             store = store.underlying_store
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        pg = group if group is not None else dist.group.WORLD
+        assert pg is not None
         name, size = pg.group_name, dist.get_world_size(group)
         prefix = "" if isinstance(store, SignedStore) else "default_pg/"  # a signed store holds "default_pg" in it
         keys = {f"{prefix}{name}//cpu//0/{member}": member for member in range(size)}

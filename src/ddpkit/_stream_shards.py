@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data._utils import worker as _torch_worker
+from ddpkit._torch_private import worker_info_hidden
 
 __all__ = ["HuggingFaceShards", "num_shards", "read_all", "shard_source"]
 
@@ -112,9 +112,5 @@ class HuggingFaceShards:
 @contextlib.contextmanager
 def _as_main_process() -> Iterator[None]:
     """Within the block, ``torch.utils.data.get_worker_info()`` is ``None`` (restored afterwards)."""
-    saved = _torch_worker._worker_info
-    _torch_worker._worker_info = None
-    try:
+    with worker_info_hidden():
         yield
-    finally:
-        _torch_worker._worker_info = saved

@@ -24,6 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as po
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_sgd
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit._torch_private import private
 from ddpkit.collectives._codec import dtype_name
 from ddpkit.errors import DDPKitError
 
@@ -233,7 +234,7 @@ def batched_powersgd_works() -> bool:
     """Whether this torch's ``batched_powerSGD_hook`` can run: torch 2.13's calls ``_orthogonalize`` on a 2-D
     matrix, which only accepts a batch of matrices, and fails at its first compressed step."""
     try:
-        power_sgd._orthogonalize(torch.ones(4, 1))  # type: ignore[no-untyped-call]
+        private("powersgd_orthogonalize")(torch.ones(4, 1))
     except AssertionError:
         return False
     return True

@@ -25,6 +25,7 @@ from ddpkit._group_store import SignedStore, agree_on_group_id, default_group_co
 from ddpkit._sealed import SealedKeys
 from ddpkit._secret import job_secret
 from ddpkit._stores import release_store, serve_store
+from ddpkit._torch_private import default_store
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback, launched_environment
 from ddpkit.environments.base import check_resolves
 from ddpkit.environments.lightning_shapes import (
@@ -297,7 +298,7 @@ def group_keys(prefix: str) -> SealedKeys:
     """
     if not dist.is_initialized():
         raise RuntimeError("group_keys needs the default process group")
-    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())  # type: ignore[attr-defined]
+    store = dist.PrefixStore(prefix, default_store())  # type: ignore[attr-defined]
     return SealedKeys(store, job_secret(), group_context())
 
 

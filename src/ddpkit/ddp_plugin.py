@@ -22,6 +22,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
 from ddpkit._activations import ActivationCheckpointingPolicy, checked_policy, checkpoint_activations
+from ddpkit._torch_private import inner_of_compiled
 from ddpkit.batches import iter_tensors, move_data_to_device
 from ddpkit.checkpoint import load_sharded
 from ddpkit.process_group import (
@@ -315,8 +316,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (DistributedDataParallel, DataParallel)):
             model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):  # torch.compile
-            model = model._orig_mod
+        elif (inner := inner_of_compiled(model)) is not None:  # torch.compile
+            model = inner
         else:
             return model
 

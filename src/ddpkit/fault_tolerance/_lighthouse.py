@@ -86,7 +86,7 @@ def serve_lighthouse(
     bound = hosting_address(host, "torchft's lighthouse")
     address = bracketed(bound)
     secret = job_secret() if secret is None else secret
-    servers = torchft_module("torchft._torchft")
+    servers = torchft_module("torchft.coordination")
     for attempt in range(1, _PORT_TRIES + 1):
         server = servers.LighthouseServer(
             bind=f"{address}:{port}", min_replicas=min_replicas, join_timeout_ms=round(join_timeout * 1000),

@@ -28,6 +28,7 @@ from ddpkit._channel import Channel, normal
 from ddpkit._group_proof import check_members
 from ddpkit._group_store import SignedStore, member_address
 from ddpkit._secret import DIGEST_BYTES, GUIDE, secret_source, tag
+from ddpkit._torch_private import NAMES, gloo_on_device, module_global_swapped, private
 from ddpkit.errors import GroupProofError
 from ddpkit.fault_tolerance._torchft import torchft_module
 from ddpkit.fault_tolerance._waits import REAPER, Watched, Within
@@ -76,7 +77,7 @@ def proven_gloo(
 @functools.cache
 def _proven_class() -> type[Any]:
     torchft = torchft_module("torchft.process_group")
-    options = torch._C._distributed_c10d.AllgatherOptions
+    options = private("allgather_options")
 
     class ProvenGloo(torchft.ProcessGroupGloo):  # type: ignore[misc, name-defined]
         """torchft's gloo group, proving its members at every configuration."""
@@ -181,15 +182,15 @@ def _gloo_on(torchft: Any, address: str | None, setup: float) -> Iterator[None]:
     gloo's own choice), and wait at most ``setup`` seconds for their members while they are made (their
     collectives then wait as long as torchft asked).
 
-    torchft's module names torch's gloo class once, for good, with :func:`_bound_gloo`, which is torch's class
-    where no block of its thread is open. (Swapping the class for the block instead cannot serve two groups of one
-    process made at once: the first holds it while gloo waits for the second to connect, and a second that read
-    the first's swapped class would put it back for good.)"""
-    if torchft.BaseProcessGroupGloo is not _bound_gloo:
-        torchft.BaseProcessGroupGloo = _bound_gloo
+    torchft's module names :func:`_bound_gloo` in place of torch's gloo class while a block is open in any thread,
+    and torch's class again once the last one closes (:func:`~ddpkit._torch_private.module_global_swapped`, which
+    keeps the original apart: a block that read the class while another's replacement was in place would
+    otherwise put the replacement back for good). :func:`_bound_gloo` is torch's class where no block of its own
+    thread is open, so two groups of one process made at once each get their own address and set-up time."""
     _BINDING.address, _BINDING.setup = address, setup
     try:
-        yield
+        with module_global_swapped(torchft, NAMES["torchft_gloo_class"].path, _bound_gloo):
+            yield
     finally:
         _BINDING.address = _BINDING.setup = None
 
@@ -202,11 +203,7 @@ def _bound_gloo(*args: Any, **kwargs: Any) -> Any:
     if setup is None or kwargs or len(args) != 4 or not isinstance(args[3], timedelta):
         return gloo(*args, **kwargs)
     store, rank, size, timeout = args
-    address = getattr(_BINDING, "address", None)
-    options = gloo._Options()  # type: ignore[attr-defined]
-    options._timeout = min(timeout, timedelta(seconds=setup))
-    options._devices = [gloo.create_device(hostname=address) if address else gloo.create_default_device()]
-    made = gloo(store, rank, size, options)
+    made = gloo_on_device(store, rank, size, getattr(_BINDING, "address", None), min(timeout, timedelta(seconds=setup)))
     made.set_timeout(timeout)
     return made
 

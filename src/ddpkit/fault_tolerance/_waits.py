@@ -77,7 +77,7 @@ REAPER: queue.SimpleQueue[tuple[Any, float]] = queue.SimpleQueue()
 threading.Thread(target=_reap, args=(REAPER,), name="ddpkit-quorum-group-reaper", daemon=True).start()
 
 
-class Watched(torch.distributed._Work):  # type: ignore[misc, name-defined]  # torch does not type it
+class Watched(torch.distributed.Work):
     """A collective of the quorum's group whose wait ends early when it cannot complete: after
     :data:`WATCH_AFTER_S` seconds it asks ``doomed()`` every 0.1 s, and raises its reason (torchft then fails the
     step, as for any error of the group) instead of waiting the group's timeout for a member that stopped (SIGSTOP,

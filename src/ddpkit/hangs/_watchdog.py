@@ -53,6 +53,7 @@ from ddpkit._group_store import default_group_context
 from ddpkit._orphans import children_die_with_this_process
 from ddpkit._sealed import SealedKeys
 from ddpkit._secret import job_secret
+from ddpkit._torch_private import default_store, private
 from ddpkit.hangs._report import analyse, full_report, summary
 from ddpkit.hangs._stacks import children_stacks, dump_stacks_in_forked_children, kill_children, thread_stacks
 from ddpkit.hangs._state import GroupState, RankState, model_position
@@ -212,9 +213,9 @@ class Watchdog(threading.Thread):
             if not self.wait_for_group or self._stopped.wait(0.2):
                 return False
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         with contextlib.suppress(RuntimeError, AttributeError):
-            store = store.clone()  # type: ignore[attr-defined]  # its own connection: never queued behind the main thread's calls
+            store = store.clone()  # its own connection: never queued behind the main thread's calls
         context = self._context if self._context is not None else default_group_context()
         self._keys = SealedKeys(store, job_secret(), context)
         return True
@@ -289,27 +290,26 @@ class Watchdog(threading.Thread):
 
 
 def _recorder_available() -> bool:
-    from torch._C import _distributed_c10d as c10d
-
-    return hasattr(c10d, "_dump_fr_trace_json") and hasattr(c10d, "_dump_fr_trace")
+    try:
+        private("flight_recorder_json"), private("flight_recorder")
+    except ImportError:
+        return False
+    return True
 
 
 def _dump_json(only_active: bool) -> bytes:
-    from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
-
-    data: bytes = _dump_fr_trace_json(includeCollectives=True, onlyActive=only_active)
+    data: bytes = private("flight_recorder_json")(includeCollectives=True, onlyActive=only_active)
     return data
 
 
 def _recorded_groups() -> dict[str, GroupState]:
     """Per process group: its description, members (when the recorder knows them) and latest collective."""
-    from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
-
+    dump_fr_trace = private("flight_recorder")
     # Stack traces only when a collective is still waiting: formatting them imports torch._inductor (seconds),
     # which a rank that spins in Python while holding the GIL most of the time would not finish in time.
-    dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False))
+    dump = pickle.loads(dump_fr_trace(includeCollectives=True, includeStackTraces=False))
     if any(not entry.get("retired", True) for entry in dump.get("entries", [])):
-        dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=True))
+        dump = pickle.loads(dump_fr_trace(includeCollectives=True, includeStackTraces=True))
     configs = dump.get("pg_config", {})
     now = time.time_ns()
     groups: dict[str, GroupState] = {}

@@ -47,6 +47,7 @@ from ddpkit._failures import (
 from ddpkit._group_store import JOB_ID_VARIABLE
 from ddpkit._secret import SECRET_VARIABLE, export_job_secret, job_secret, new_job_secret
 from ddpkit._stores import hosting_address, release_store, route_address, serve_store
+from ddpkit._torch_private import private
 from ddpkit.environments import is_loopback
 from ddpkit.environments.base import check_resolves
 from ddpkit.environments.replica_group import LIGHTHOUSE_VARIABLE
@@ -263,10 +264,9 @@ def _claim_job(address: str, port: int, run_id: str) -> None:
 
 def _hosts_rendezvous(host: str, configs: Mapping[str, Any]) -> bool:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     told = RendezvousParameters(_rendezvous.BACKEND, host, "-", 1, 1, **configs).get_as_bool("is_host")
-    return bool(told) if told is not None else _matches_machine_hostname(host)
+    return bool(told) if told is not None else bool(private("matches_machine_hostname")(host))
 
 
 @contextmanager

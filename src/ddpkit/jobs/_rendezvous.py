@@ -45,8 +45,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     RendezvousSettings,
     Token,
-    _NodeDesc,
-    _RendezvousStateHolder,
 )
 
 from ddpkit._group_store import JOB_ID_VARIABLE
@@ -175,11 +173,11 @@ class _SignedRoundsHandler(DynamicRendezvousHandler):
 
     def __init__(
         self,
-        node: _NodeDesc,
+        node: Any,  # torch's _NodeDesc
         settings: RendezvousSettings,
         backend_name: str,
         store: Any,
-        state_holder: _RendezvousStateHolder,
+        state_holder: Any,  # torch's _RendezvousStateHolder
         checked: CheckedBackend,
     ) -> None:
         super().__init__(node, settings, backend_name, store, state_holder)

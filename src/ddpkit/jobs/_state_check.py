@@ -10,9 +10,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from ddpkit._torch_private import private
 
 __all__ = ["RefusalError", "StateRefusedError", "check_state"]
+
+_RendezvousState, _NodeDesc = private("rendezvous_state"), private("rendezvous_node")  # torch's own classes
 
 
 class StateRefusedError(RendezvousStateError):

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ddpkit._failures import StopWithoutRestart
+from ddpkit._torch_private import private
 from ddpkit.checkpoint import rng_state
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
@@ -60,10 +61,11 @@ def _weight_norms(model: torch.nn.Module) -> list[float]:
     for parameter in model.parameters():
         per_device.setdefault(parameter.device, []).append(parameter.detach())
     l1 = l2 = 0.0
+    foreach_norm = private("foreach_norm")
     with torch.no_grad():
         for tensors in per_device.values():
             count = len(tensors)
-            norms = torch.stack([*torch._foreach_norm(tensors, 1), *torch._foreach_norm(tensors, 2)]).double()
+            norms = torch.stack([*foreach_norm(tensors, 1), *foreach_norm(tensors, 2)]).double()
             sums = torch.stack([norms[:count].sum(), norms[count:].square().sum()]).tolist()
             l1, l2 = l1 + sums[0], l2 + sums[1]
     return [l1, l2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from ddpkit._torch_private import NAMES
 from ddpkit.callbacks import Callback
 from ddpkit.checkpoint import rng_state
 from ddpkit.jobs.launch import launch, scheduler_environment, start_forkserver
@@ -52,7 +53,7 @@ def fit_on_new_processes(
     """
     in_this_process = scheduler_environment() is not None  # srun, mpirun, torchrun: no spawning
     if not in_this_process and launch_options.get("start_method") == "forkserver":
-        start_forkserver("torch._dynamo")  # DDP's constructor imports it: 2 s per worker otherwise
+        start_forkserver(NAMES["dynamo"].module)  # DDP's constructor imports it: 2 s per worker otherwise
     results = launch(
         fit_worker, loop, budget, grad_accumulation, callbacks, in_this_process, rng_state(),
         nprocs=None if in_this_process else num_processes, **launch_options,

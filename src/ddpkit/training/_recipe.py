@@ -161,9 +161,7 @@ class Recipe:
         options = dict(self.compile_options) if isinstance(self.compile_options, dict) else {}
         backend = options.get("backend", "inductor")
         if isinstance(backend, str):
-            import torch._dynamo
-
-            known = torch._dynamo.list_backends(exclude_tags=())
+            known = torch.compiler.list_backends(exclude_tags=())
             if backend not in known:
                 raise RuntimeError(
                     f"compile: torch.compile has no backend {backend!r}; it has {', '.join(sorted(known))}"
