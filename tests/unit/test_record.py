@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from ddpkit.collectives import _record as record
 from ddpkit.collectives._framing import PREFIX, body_offset
-from ddpkit.collectives._transport import decode_header, encode_header, tensor_head, tensor_placements
+from ddpkit.collectives._headers import decode_header, encode_header, tensor_head
+from ddpkit.collectives._tensor_records import tensor_placements
 from ddpkit.errors import DDPKitError
 
 

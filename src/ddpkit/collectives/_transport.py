@@ -22,7 +22,7 @@ The code between collectives is kept to few torch calls: right after a
 blocking collective each distinct one costs several times its usual time on a
 busy machine (measured on 2 ranks sharing 2 cores: the first torch call after
 the collective 8-10 us, the same call again 3.5 us, 0.3 us warm). So a gather of
-one small tensor per rank (:func:`gather_tensor_records`) prepares its views
+one small tensor per rank (``_tensor_records``) prepares its views
 before the collective and after it reads every record with one
 ``struct.unpack_from`` and makes one view per other rank; the records are those
 of step 1, so when they are not all alike, step 2 reads the same bytes in full.
@@ -30,175 +30,40 @@ of step 1, so when they are not all alike, step 2 reads the same bytes in full.
 
 from __future__ import annotations
 
-import json
-import struct
-import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.collectives import _record as record
-from ddpkit.collectives._codec import dtype_name
-from ddpkit.collectives._framing import BODY_INLINE, HEAD_INLINE, MAGIC, PREFIX, VERSION, align, body_offset
-from ddpkit.errors import DDPKitError
-from ddpkit.process_group import device_of_group, is_distributed
+from ddpkit.collectives._framing import align
+from ddpkit.collectives._group_info import GroupInfo
+from ddpkit.collectives._headers import Header, decode_header, encode_header, raise_errors
 
 __all__ = [
-    "GroupInfo",
+    "Check",
     "Records",
+    "as_bytes",
     "broadcast_bytes",
-    "decode_header",
-    "encode_header",
-    "error_header",
     "exchange",
     "exchange_headers",
     "exchange_rest",
-    "gather_tensor_records",
     "inline_capacity",
-    "raise_errors",
     "read_records",
     "send_records",
-    "tensor_head",
-    "tensor_placements",
 ]
 
-Header = record.Header
 Check = Callable[[list[Header]], None]
 
 # Below this many bytes in all, a padded all_gather beats one broadcast per rank on gloo.
 _SMALL_TOTAL = 1 << 20
 _EMPTY = torch.empty(0, dtype=torch.uint8)
-_CPU = torch.device("cpu")
-
-
-def _nothing() -> None:
-    return None
-
-
-class GroupInfo(NamedTuple):
-    """What the collectives need to know about a process group, looked up once per call (immutable, and cheap to
-    build: it is built on every collective).
-
-    Attributes:
-        group: the group as the caller gave it (``None``: the default group).
-        distributed: whether a process group exists at all.
-        world_size, rank: of this process in ``group``.
-        device: where the group's collectives take their tensors (:func:`~ddpkit.process_group.collective_device`).
-        gloo: the group is torch's gloo backend itself, whose ``all_to_all`` moves a few KiB to every rank in
-            half the time of its ``all_gather`` (the records go that way; other backends' ``all_gather``).
-    """
-
-    group: dist.ProcessGroup | None
-    distributed: bool
-    world_size: int
-    rank: int
-    device: torch.device
-    gloo: bool = False
-
-    @property
-    def nccl(self) -> bool:
-        """Whether the group's collectives run on CUDA (NCCL)."""
-        return self.device.type == "cuda"
-
-    @staticmethod
-    def of(group: dist.ProcessGroup | None) -> GroupInfo:
-        """The facts of ``group`` (the default group for ``None``); a lone process without a group.
-
-        Raises:
-            ValueError: this rank is not a member of ``group``.
-        """
-        global _last_info
-        if not is_distributed():
-            return GroupInfo(group, False, 1, 0, _CPU)
-        pg = group if group is not None else dist.group.WORLD
-        last_group, info = _last_info
-        if last_group() is pg and info.group is group:
-            return info
-        if not isinstance(pg, dist.ProcessGroup):
-            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the process group it was given")
-        info = GroupInfo(group, True, pg.size(), pg.rank(), device_of_group(pg, group), pg.name() == "gloo")
-        if info.device.type == "cpu":  # a CUDA group's device follows torch.cuda.set_device: looked up each time
-            _last_info = (weakref.ref(pg), info)
-        return info
-
-    @property
-    def alone(self) -> bool:
-        """No communication needed: no process group, or a group of one."""
-        return not self.distributed or self.world_size == 1
-
-    def global_rank(self, rank: int) -> int:
-        """The global rank of group rank ``rank`` (what ``src`` arguments take)."""
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
-
-
-# The last CPU group GroupInfo.of looked up (a weak reference: a destroyed group is not kept alive), and its facts:
-# a group's size and this rank's place in it never change, and most programs use one group.
-_last_info: tuple[Callable[[], dist.ProcessGroup | None], GroupInfo] = (_nothing, GroupInfo(None, False, 1, 0, _CPU))
-
-
-_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)  # fmt: skip
-_DTYPE_NAMES = [dtype_name(dtype) for dtype in _DTYPES]
-_DTYPE_CODES = {name: code for code, name in enumerate(_DTYPE_NAMES)}
-_CODE_OF_DTYPE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-_TENSOR_HEADER = struct.Struct("<BBB")  # form (1 = tensor), dtype code, number of dimensions; then int64 sizes
-_SIZES = [struct.Struct(f"<{ndim}q") for ndim in range(17)]
-# A record holding a tensor's head, by number of dimensions: the record's prefix, then the head's fields.
-_TENSOR_RECORDS = [struct.Struct(PREFIX.format + _TENSOR_HEADER.format[1:] + sizes.format[1:]) for sizes in _SIZES]
-
-
-def tensor_head(tensor: torch.Tensor) -> bytes | None:
-    """:func:`encode_header` of ``{"dtype": ..., "shape": ...}`` for ``tensor``, without the dict; ``None`` for a
-    dtype or a number of dimensions that the compact form does not hold."""
-    code, shape = _CODE_OF_DTYPE.get(tensor.dtype), tensor.shape
-    if code is None or len(shape) > 16:
-        return None
-    return _TENSOR_HEADER.pack(1, code, len(shape)) + _SIZES[len(shape)].pack(*shape)
-
-
-def encode_header(header: Header) -> bytes:
-    """A header's bytes: a compact binary form for tensor descriptors (``dtype``, ``shape``), JSON otherwise."""
-    if header.keys() == {"dtype", "shape"} and header["dtype"] in _DTYPE_CODES and len(header["shape"]) <= 16:
-        shape = header["shape"]
-        return _TENSOR_HEADER.pack(1, _DTYPE_CODES[header["dtype"]], len(shape)) + _SIZES[len(shape)].pack(*shape)
-    return b"\x00" + json.dumps(header, separators=(",", ":")).encode()
-
-
-def decode_header(data: bytes) -> Header:
-    """The inverse of :func:`encode_header`."""
-    if data[:1] == b"\x01":
-        _, code, ndim = _TENSOR_HEADER.unpack_from(data)
-        return {"dtype": _DTYPE_NAMES[code], "shape": list(_SIZES[ndim].unpack_from(data, 3))}
-    header: Header = json.loads(data[1:])
-    return header
 
 
 def inline_capacity(world_size: int) -> int:
     """Bytes of the fixed record each rank sends first: 64 KiB shared by the ranks, 1-4 KiB each."""
     return max(1024, min(4096, (65536 // max(1, world_size)) // 16 * 16))
-
-
-def error_header(exc: BaseException) -> Header:
-    """The header a rank sends instead of its data when its own input is bad."""
-    return {"error": [type(exc).__name__, str(exc)]}
-
-
-def raise_errors(what: str, headers: Sequence[Header]) -> None:
-    """Raise on every rank if any rank sent an error header.
-
-    The exception is a ``TypeError`` or ``ValueError`` when the first failing rank
-    raised one (so ``except TypeError`` works on every rank), else a
-    :class:`~ddpkit.DDPKitError`; its message names every failing rank.
-    """
-    failures = [(rank, header["error"]) for rank, header in enumerate(headers) if "error" in header]
-    if not failures:
-        return
-    kind = {"TypeError": TypeError, "ValueError": ValueError}.get(failures[0][1][0], DDPKitError)
-    raise kind(f"{what}: " + "; ".join(f"rank {rank}: {message}" for rank, (_, message) in failures))
 
 
 def as_bytes(payload: torch.Tensor | None) -> torch.Tensor:
@@ -234,83 +99,6 @@ class Records(NamedTuple):
             return None
         start = rank * self.capacity + view.payload_offset
         return self.buffer[start : start + view.payload_bytes]
-
-
-#: Where a rank's tensor lies in the gathered records: its shape, its first byte, its length in bytes.
-Placement = tuple[Sequence[int], int, int]
-
-
-def gather_tensor_records(
-    head: bytes, payload: torch.Tensor | None, info: GroupInfo, same_shape: bool
-) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """Step 1 of :func:`exchange` for a gather of one tensor per rank, with its fast ending.
-
-    Args:
-        head: this rank's header (:func:`tensor_head` for a tensor; any :func:`encode_header` otherwise).
-        payload: this rank's tensor, or ``None``.
-        info: the group, of several ranks.
-        same_shape: the fast ending needs every rank's shape to equal this rank's (else only the dtype and
-            the number of dimensions).
-
-    Returns:
-        ``(gathered, tensors)``: every rank's record (:func:`read_records` reads them), and every rank's
-        tensor (``payload`` itself for this rank; the others views of ``gathered``, on ``payload``'s device)
-        when every rank sent a tensor of ``payload``'s kind that fits in its record (:func:`tensor_placements`),
-        else ``None``: the caller reads the records in full, which raises on a mismatch and names it.
-    """
-    capacity = inline_capacity(info.world_size)
-    gathered = torch.empty(info.world_size * capacity, dtype=torch.uint8, device=info.device)
-    if payload is None or head[:1] != b"\x01":
-        return send_records(head, payload, info, gathered), None
-    # Prepared before the collective: right after it, each distinct torch call costs several times its usual
-    # time on a busy machine, and what follows it here is struct reads and one view per rank.
-    typed = gathered.view(payload.dtype)
-    memory = None if info.nccl else record.memory_of(gathered)
-    device = payload.device
-    send_records(head, payload, info, gathered)
-    host = gathered.cpu() if memory is None else gathered  # kept alive while `memory` is read
-    placements = tensor_placements(record.memory_of(host) if memory is None else memory, capacity, head, same_shape)
-    if placements is None:
-        return gathered, None
-    if device != info.device:
-        typed = typed.to(device)
-    itemsize = payload.element_size()
-    tensors = []
-    for r, (shape, start, nbytes) in enumerate(placements):
-        if r == info.rank:
-            tensors.append(payload)
-            continue
-        strides, size = [], 1
-        for dim in reversed(shape):
-            strides.append(size)
-            size *= dim
-        if size * itemsize != nbytes:
-            raise DDPKitError(f"rank {r} sent {nbytes} bytes for a {payload.dtype} tensor of shape {list(shape)}")
-        tensors.append(typed.as_strided(shape, strides[::-1], start // itemsize))
-    return gathered, tensors
-
-
-def tensor_placements(memory: Any, capacity: int, head: bytes, same_shape: bool) -> list[Placement] | None:
-    """Every rank's tensor in ``memory`` (every rank's record, :func:`~ddpkit.collectives._record.memory_of`),
-    read without decoding headers, when every rank sent a tensor inside its record with the dtype and number
-    of dimensions of ``head`` (this rank's :func:`tensor_head`), and the same shape too when ``same_shape``;
-    else ``None``.
-
-    Every rank holds the same records, so the ranks get ``None`` together or not at all. One ``unpack_from``
-    per rank: this runs on every small gather, right after its collective.
-    """
-    layout = _TENSOR_RECORDS[head[2]]
-    expected = (MAGIC, VERSION, HEAD_INLINE | BODY_INLINE, len(head), *_TENSOR_HEADER.unpack_from(head))
-    own_shape = list(_SIZES[head[2]].unpack_from(head, _TENSOR_HEADER.size)) if same_shape else None
-    start = body_offset(len(head))
-    placements: list[Placement] = []
-    for offset in range(0, len(memory), capacity):
-        magic, version, flags, head_bytes, nbytes, *described = layout.unpack_from(memory, offset)
-        shape = described[3:]
-        if (magic, version, flags, head_bytes, *described[:3]) != expected or (same_shape and shape != own_shape):
-            return None
-        placements.append((shape, offset + start, nbytes))
-    return placements
 
 
 def send_records(
@@ -394,7 +182,7 @@ def exchange(
         what: the public function's name, for error messages.
         header: small JSON-able metadata of this rank's payload.
         payload: any tensor, sent as its raw bytes; ``None`` sends nothing.
-        info: the process group (:meth:`GroupInfo.of`).
+        info: the process group (:meth:`~ddpkit.collectives._group_info.GroupInfo.of`).
         check: called with every rank's header on every rank before any large
             data moves; raise there (e.g. :class:`~ddpkit.CollectiveMismatchError`)
             to fail on every rank together.
@@ -406,7 +194,7 @@ def exchange(
 
     Raises:
         TypeError, ValueError, DDPKitError: some rank sent an error header (see
-            :func:`raise_errors`); whatever ``check`` raises.
+            :func:`~ddpkit.collectives._headers.raise_errors`); whatever ``check`` raises.
     """
     headers, payloads, sizes = exchange_headers(what, header, payload, info, check)
     return list(zip(headers, exchange_rest(payload, payloads, sizes, info), strict=True))

@@ -9,17 +9,10 @@ import torch.distributed as dist
 
 from ddpkit._compat import override
 from ddpkit.collectives._codec import dtype_name
-from ddpkit.collectives._transport import (
-    GroupInfo,
-    Header,
-    encode_header,
-    error_header,
-    exchange_headers,
-    exchange_rest,
-    gather_tensor_records,
-    read_records,
-    tensor_head,
-)
+from ddpkit.collectives._group_info import GroupInfo
+from ddpkit.collectives._headers import Header, encode_header, error_header, tensor_head
+from ddpkit.collectives._tensor_records import gather_tensor_records
+from ddpkit.collectives._transport import exchange_headers, exchange_rest, read_records
 from ddpkit.errors import CollectiveMismatchError
 from ddpkit.process_group import collective_device, get_rank, is_distributed
 

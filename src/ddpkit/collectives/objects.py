@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.collectives._codec import pack, unpack
-from ddpkit.collectives._transport import GroupInfo, Header, broadcast_bytes, error_header, exchange
+from ddpkit.collectives._group_info import GroupInfo
+from ddpkit.collectives._headers import Header, error_header
+from ddpkit.collectives._transport import broadcast_bytes, exchange
 
 __all__ = ["all_gather_object", "broadcast_object"]
 

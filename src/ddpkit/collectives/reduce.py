@@ -31,7 +31,9 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ddpkit.collectives._codec import dtype_name
-from ddpkit.collectives._transport import GroupInfo, error_header, exchange, raise_errors
+from ddpkit.collectives._group_info import GroupInfo
+from ddpkit.collectives._headers import error_header, raise_errors
+from ddpkit.collectives._transport import exchange
 from ddpkit.collectives.agreement import all_equal, signature_terms
 from ddpkit.errors import CollectiveMismatchError
 

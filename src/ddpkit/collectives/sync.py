@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.collectives._codec import dtype_name
-from ddpkit.collectives._transport import Header
+from ddpkit.collectives._headers import Header
 from ddpkit.collectives.gather import gather_tensors
 from ddpkit.collectives.values import Gathered, Value, gather_values, header_text
 from ddpkit.errors import CollectiveMismatchError, WarningDDP

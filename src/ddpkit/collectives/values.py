@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 from ddpkit.collectives._codec import dtype_from_name, dtype_name, pack, unpack
 from ddpkit.collectives._framing import align
-from ddpkit.collectives._transport import GroupInfo, Header, error_header, exchange, exchange_headers
+from ddpkit.collectives._group_info import GroupInfo
+from ddpkit.collectives._headers import Header, error_header
+from ddpkit.collectives._transport import exchange, exchange_headers
 from ddpkit.errors import CollectiveMismatchError
 
 __all__ = ["Gathered", "KeyMeta", "Value", "gather_values"]
