@@ -2,8 +2,9 @@
 
 ``TrainLoop`` (``_loop.py``) holds what a user sees (arguments, the steps to
 override, ``fit``, ``evaluate``) and owns a :class:`TrainingRun`, which does
-what happens in between and reads the loop through :class:`Trains`. Everything
-that changes while it trains is in one :class:`~ddpkit.training.RunState`.
+what happens in between and reads the loop through ``_trains.Trains`` (its
+checkpoints are in ``_run_checkpoints``). Everything that changes while it
+trains is in one :class:`~ddpkit.training.RunState`.
 
 One epoch runner (:meth:`TrainingRun.run_epochs`) serves every way of training: the epochs, callbacks, the
 per-batch body (reseed, device, precision, ``training_step``, backward, loss sums, times), the progress bar,
@@ -19,90 +20,44 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import secrets
-import socket
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ddpkit.batches import batch_length
-from ddpkit.callbacks import CallbacksHandler
-from ddpkit.checkpoint import CHECKPOINT_FILE, SHARDED_SUFFIX
 from ddpkit.ddp_handler import LOADER_ATTRIBUTES, DDPHandler
-from ddpkit.ddp_plugin import DDPPlugin
-from ddpkit.fault_tolerance import TorchFT
 from ddpkit.hangs._stacks import dump_worker_stacks_in_hang_reports
-from ddpkit.process_group import collective_device, ensure_dist_connection, get_rank, get_world_size, is_distributed
+from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, is_distributed
 from ddpkit.process_group._seeding import reseed_torch
 from ddpkit.training._async_save import AsyncWrites
+from ddpkit.training._counting import CountsNothing, tokens_of
 from ddpkit.training._default_steps import returned_loss, returned_prediction
 from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, StepDriver
 from ddpkit.training._evaluation import predict_in_order
 from ddpkit.training._messages import (
     epoch_line,
     evaluation_line,
-    resume_line,
     skipped_model_error,
     step_name,
     stop_line,
 )
-from ddpkit.training._preemption import PreemptionHandler
-from ddpkit.training._recipe import Recipe
+from ddpkit.training._run_checkpoints import RunCheckpoints
 from ddpkit.training._sources import epoch_source
-from ddpkit.training._state import RunState, TrainState
 from ddpkit.training._steps import GlobalBatch, TrainingEpochs
+from ddpkit.training._trains import Trains
 
-__all__ = ["TrainingRun", "Trains"]
+__all__ = ["TrainingRun"]
 
 log = logging.getLogger(__name__)
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds nothing
 
 
-class Trains(Protocol):
-    """What a :class:`TrainingRun` reads from the loop that owns it (``TrainLoop``): the user's parts and steps.
-    The run writes back only what its set-up makes (``ddp_handler``, ``ddp_model``) and ``step_times``."""
-
-    model: nn.Module
-    train_loader: DataLoader[Any]
-    validation_loader: DataLoader[Any] | None
-    optimizer: torch.optim.Optimizer
-    device: torch.device
-    plugin: DDPPlugin
-    checkpoint_dir: Path | None
-    checkpoint_every: int | None
-    checkpoint_async: bool
-    evaluate_every: int | None
-    seed: int
-    progress: bool
-    global_batch: GlobalBatch | None
-    preemption: PreemptionHandler
-    callbacks_handler: CallbacksHandler
-    state: RunState
-    ddp_handler: DDPHandler | None
-    ddp_model: nn.Module | None
-    step_times: list[float]
-    recipe: Recipe
-    fault_tolerance: TorchFT | None
-    tokens_fn: Callable[[Any], int | torch.Tensor] | None
-
-    def batch_to_device(self, batch: Any) -> Any: ...
-
-    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
-
-    def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def evaluate(self, loader: DataLoader[Any] | None = None) -> dict[str, float]: ...
-
-
-class TrainingRun:
+class TrainingRun(RunCheckpoints):
     """How a ``TrainLoop`` trains (the loop owns one; see the module docstring): its set-up, the epoch runner and
     its per-batch body, checkpoints. What it makes in set-up lives here, except what users see on the loop."""
 
@@ -258,7 +213,7 @@ class TrainingRun:
         data = loop.batch_to_device(batch.data)
         # DDP decides at the forward whether this backward all-reduces: both go inside.
         model = loop.ddp_model if loop.ddp_model is not None else loop.model
-        nothing = _CountsNothing(self.forward_model, loop.model) if batch.weight == 0.0 else None
+        nothing = CountsNothing(self.forward_model, loop.model) if batch.weight == 0.0 else None
         with nothing or _NO_CONTEXT, _NO_CONTEXT if batch.synced else loop.plugin.block_backward_sync(model):
             calls = self._forward_calls
             with loop.recipe.autocast(loop.device):
@@ -269,7 +224,7 @@ class TrainingRun:
             if batch.synced and self._forward_calls == calls and isinstance(model, DistributedDataParallel):
                 raise skipped_model_error(type(loop).training_step, loop.state, batch.index)
             loop.recipe.backward(loss, batch.scale, None if nothing is None else nothing.outputs)
-        tokens = 0.0 if loop.tokens_fn is None else _tokens(loop.tokens_fn, data, batch.weight)
+        tokens = 0.0 if loop.tokens_fn is None else tokens_of(loop.tokens_fn, data, batch.weight)
         step.count(loss, batch_length(data) * batch.weight, seconds, tokens)  # padding: 0 items; no read of the loss
 
     def _progress(self, bar: tqdm[Any] | None, driver: StepDriver, start: int, position: int) -> tqdm[Any] | None:
@@ -380,75 +335,6 @@ class TrainingRun:
         if loop.checkpoint_dir is not None and driver.saves:
             self._save_checkpoint(position=0)
 
-    # --- checkpoints ---------------------------------------------------------------------------------
-
-    def _save_checkpoint(self, position: int) -> None:
-        """Write a :class:`~ddpkit.training.TrainState` after ``position`` entries of this epoch (every rank); with
-        ``checkpoint_async``, a whole one in rank 0's background once the last such write ended."""
-        directory = self.loop.checkpoint_dir
-        assert directory is not None
-        if self.loop.checkpoint_async:
-            self._writes.finish()  # one write at a time: the copy of this one waits until the last one is on disk
-            state = self.capture(position, directory=directory, asynchronous=True)
-            self._writes.start(state, directory / CHECKPOINT_FILE, self.loop.plugin.take_pending_write())
-        else:
-            self.capture(position, directory=directory).write(directory / CHECKPOINT_FILE)
-
-    def capture(self, position: int, driver: StepDriver | None = None, directory: Path | None = None,
-                asynchronous: bool = False) -> TrainState:  # fmt: skip
-        """The run after ``position`` entries of this epoch: a checkpoint's content, and what a fault-tolerant
-        replica group hands a recovering peer (every rank calls it; ``driver``: the run's, by default the one
-        training now). What ``driver.gathered`` costs: DDP's gather every rank's random state and sum their
-        losses; a replica group's, nothing. A sharded model's weights and optimizer state are written to a
-        directory in ``directory`` (a checkpoint's), which the state names."""
-        loop, driver = self.loop, driver if driver is not None else self._driver
-        assert driver is not None, "capture() while it trains, or with its driver"
-        rngs, sums = driver.gathered(position)
-        name = f"last-e{loop.state.epoch}-s{loop.state.global_step}-p{position}{SHARDED_SUFFIX}"
-        weights, optimizer, sharded = loop.plugin.checkpoint_state(
-            loop.model, loop.optimizer, directory if directory is not None else Path("."), name,
-            asynchronous=asynchronous,
-        )  # fmt: skip
-        return TrainState.capture(
-            loop.state, position, self.epochs, model=weights, optimizer=optimizer,
-            callbacks=loop.callbacks_handler.state_dicts(), seed=loop.seed, recipe=loop.recipe.state_dict(),
-            rngs=rngs, epoch_sums=sums, sharded=sharded,
-        )  # fmt: skip
-
-    def resume(self, budget: Budget) -> bool:
-        """Go on from the checkpoint in the loop's ``checkpoint_dir``, if there is one (every rank; rank 0 says
-        where, with fault tolerance every group's); whether there was."""
-        directory = self.loop.checkpoint_dir
-        if directory is not None and is_distributed():
-            check_shared(directory)  # else ranks that cannot see the checkpoint would start over: a split job
-        path = directory / CHECKPOINT_FILE if directory is not None else None
-        if path is None or not path.exists():
-            return False
-        self.restore(TrainState.load(path, map_location=self.loop.device), directory)
-        if get_rank() == 0:
-            line = resume_line(self.loop.state, directory, budget)
-            tqdm.write(f"{line}\n", end="")  # one write: other groups' lines may share the stream
-            log.info(line)
-        return True
-
-    def restore(self, saved: TrainState, directory: Path | None = None) -> None:
-        """Put the run where ``saved`` was (a checkpoint in ``directory``, or a healthy replica group's state;
-        every rank)."""
-        loop = self.loop
-        sharded = directory / saved.sharded if directory is not None and saved.sharded is not None else None
-        if saved.sharded is not None and sharded is None:
-            raise ValueError(f"the state's weights are in the sharded checkpoint {saved.sharded!r}: give its directory")
-        loop.plugin.load_checkpoint_state(loop.model, loop.optimizer, saved.model, saved.optimizer, sharded)
-        loop.callbacks_handler.load_state_dicts(saved.callbacks)
-        loop.recipe.load_state_dict(saved.recipe)
-        saved.restore(loop.state, self.epochs, keeps_steps=loop.global_batch is not None)
-
-    def take_over(self, saved: TrainState) -> int:
-        """Put the run where ``saved`` was and begin its epoch there (a fault-tolerant group taking a healthy
-        peer's state in a step's commit); the position the epoch goes on from."""
-        self.restore(saved)
-        return self.loop.state.begin_epoch()
-
     def pickled(self) -> dict[str, Any]:
         """The loop's ``__getstate__`` (to ``fit_distributed``'s new processes): without this run (made again
         there) and the sharding and DDP wrapper of its set-up; with the loaders the user gave."""
@@ -459,73 +345,3 @@ class TrainingRun:
             state["callbacks_handler"] = handler = copy.copy(loop.callbacks_handler)
             handler.callbacks = [c for c in handler.callbacks if c is not loop.ddp_handler.callback]
         return state
-
-
-def check_shared(directory: Path) -> None:
-    """Refuse, on every rank at once, a ``checkpoint_dir`` that some rank does not see as rank 0 does (a directory
-    on each node's own disk): rank 0's checkpoints would be invisible there, and a resumed run would go on from
-    one on some ranks and start over on others. One file, two collectives (every rank calls it).
-
-    Raises:
-        ValueError: the ranks that do not see rank 0's file in ``directory``, by rank and host, and the fix.
-    """
-    token = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=collective_device())  # not torch's RNG
-    dist.broadcast(token, src=0)  # rank 0's
-    marker = directory / f".ddpkit-shared-{int(token[0]):x}"
-    if get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        marker.write_text(socket.gethostname())
-    dist.barrier()
-    seen = marker.exists()
-    seen_by = torch.zeros(get_world_size(), dtype=torch.int64, device=collective_device())
-    seen_by[get_rank()] = int(seen)
-    dist.all_reduce(seen_by)  # each rank's, in its slot
-    if get_rank() == 0:
-        marker.unlink(missing_ok=True)
-    blind = [rank for rank, saw in enumerate(seen_by.tolist()) if not saw]
-    if blind:
-        raise ValueError(
-            f"checkpoint_dir={str(directory)!r} is not the same directory on every rank: rank(s) {blind} do not see a "
-            f"file rank 0 wrote there (this is rank {get_rank()} on {socket.gethostname()}). Checkpoints need a "
-            "directory that every node sees, or a run resumed from one would go on on some ranks and start over on "
-            "others: put checkpoint_dir on a shared file system (NFS, Lustre, a mounted bucket)"
-        )
-
-
-def _tokens(count: Callable[[Any], int | torch.Tensor], data: Any, weight: float) -> float | torch.Tensor:
-    """The tokens of a batch (``data``, on the device) by the loop's ``tokens_fn``, times its ``weight`` (0 for
-    padding): a float, or a float64 tensor left on its device.
-
-    Raises:
-        TypeError: ``tokens_fn`` returned something else than a number or a one-element tensor.
-    """
-    tokens = count(data)
-    if isinstance(tokens, torch.Tensor) and tokens.numel() == 1:
-        tokens = tokens.detach().double().reshape(())
-        return tokens if weight == 1.0 else tokens * weight
-    if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
-        return float(tokens) * weight
-    raise TypeError(
-        f"tokens_fn returned {type(tokens).__name__} {tokens!r:.80}: it must return a batch's number of tokens, an int "
-        "or a one-element tensor (batch['attention_mask'].sum(), say)"
-    )
-
-
-class _CountsNothing:
-    """Around a batch that counts nothing: keeps the outputs of ``forward_model``'s calls (its backward starts from
-    them) and ``model``'s buffers as they were, put back on leaving."""
-
-    def __init__(self, forward_model: nn.Module, model: nn.Module) -> None:
-        self.forward_model, self.model = forward_model, model
-        self.outputs: list[Any] = []
-
-    def __enter__(self) -> _CountsNothing:
-        self.buffers = [(buffer, buffer.detach().clone()) for buffer in self.model.buffers()]
-        self.kept = self.forward_model.register_forward_hook(lambda module, inputs, output: self.outputs.append(output))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kept.remove()
-        with torch.no_grad():
-            for buffer, saved in self.buffers:
-                buffer.copy_(saved)
