@@ -20,14 +20,16 @@ import itertools
 import socket
 import threading
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
+import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ddpkit.environments import is_loopback
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 
 __all__ = [
+    "ForwardingStore",
     "IfTaken",
     "LoopbackHostError",
     "hosting_address",
@@ -38,6 +40,50 @@ __all__ = [
 ]
 
 IfTaken = Literal["raise", "peer", "torch"]
+
+
+class ForwardingStore(dist.Store):  # type: ignore[misc, name-defined]  # torch does not type it
+    """A store that does what ``inner`` does: the base of the stores that change part of it (signed values, waits
+    with one deadline). A torch ``Store`` itself, so that torch's process groups take it."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._inner.get(key))
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return bytes(self._inner.compare_set(key, expected, desired))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._inner.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._inner.add(key, amount))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self._inner.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._inner.timeout  # type: ignore[no-any-return]
+
 
 _LOCK = threading.Lock()
 #: The servers this process hosts, by port, with how many holders have not released them yet.

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._backends import pin_gloo_to_loopback, resolve_backend
-from ddpkit._group_proof import PROOF_COLLECTIVES, prove_members
-from ddpkit._group_store import SignedStore, agree_on_group_id, default_group_context, gloo_addresses
-from ddpkit._sealed import SealedKeys
-from ddpkit._secret import job_secret
 from ddpkit._stores import release_store, serve_store
 from ddpkit._torch_private import default_store
+from ddpkit._trust.group_proof import PROOF_COLLECTIVES, prove_members
+from ddpkit._trust.group_store import SignedStore, agree_on_group_id, default_group_context, gloo_addresses
+from ddpkit._trust.sealed import SealedKeys
+from ddpkit._trust.secret import job_secret
 from ddpkit.environments import LocalEnvironment, detect_environment, is_loopback, launched_environment
 from ddpkit.environments.base import check_resolves
 from ddpkit.environments.lightning_shapes import (
@@ -229,10 +229,10 @@ def _signed_store(
     secret: bytes, context: str, rank: int, size: int, kwargs: dict[str, Any], where: str
 ) -> tuple[Any, str]:
     """The store ``init_process_group`` would meet at (its ``init_method``, by default ``env://``: under torchrun
-    the agent's store), as a :class:`~ddpkit._group_store.SignedStore`, and the group's context with its id.
+    the agent's store), as a :class:`~ddpkit._trust.group_store.SignedStore`, and the group's context with its id.
 
     Rank 0 first draws the group's id and signs it into the store
-    (:func:`~ddpkit._group_store.agree_on_group_id`); then every value a rank
+    (:func:`~ddpkit._trust.group_store.agree_on_group_id`); then every value a rank
     writes there (gloo's and NCCL's addresses first) is signed with the job
     secret for this group, and a value nobody with the secret wrote for it is
     refused when read, so that nobody who reaches the store can put its own
@@ -284,13 +284,13 @@ def _prove_members(secret: bytes, context: str) -> None:
 def group_context() -> str:
     """What the default process group is, as its members proved the job secret for it when this module made it
     (the job, its attempt, its store and the id its rank 0 drew), else as its variables say
-    (:func:`~ddpkit._group_store.default_group_context`): the same text on every rank, for signatures."""
+    (:func:`~ddpkit._trust.group_store.default_group_context`): the same text on every rank, for signatures."""
     return _context if _context is not None else default_group_context()
 
 
 def group_keys(prefix: str) -> SealedKeys:
     """The default group's own keys under ``prefix`` in its store: signed for the group (and sealed where asked)
-    with the job secret, so that what a stranger writes there reads as absent (see :class:`~ddpkit._sealed.
+    with the job secret, so that what a stranger writes there reads as absent (see :class:`~ddpkit._trust.sealed.
     SealedKeys`). The group must exist.
 
     Raises:

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit._sealed import SealedKeys
+from ddpkit._trust.sealed import SealedKeys
 from ddpkit.connection import group_keys
 from ddpkit.process_group import get_rank, get_world_size
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpkit._secret import write_secret_file
+from ddpkit._trust.secret import write_secret_file
 from tests.e2e.ft_trainloop import steps
 from tests.helpers import descendants, holds_within, listening_sockets
 

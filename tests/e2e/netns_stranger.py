@@ -56,7 +56,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ddpkit._secret import write_secret_file
+from ddpkit._trust.secret import write_secret_file
 from tests.helpers import job_environment
 
 #: The watchdog's deadline (seconds): the real hang is reported this long after it starts.

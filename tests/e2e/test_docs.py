@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit._secret import write_secret_file
+from ddpkit._trust.secret import write_secret_file
 from tests.helpers import free_port, job_environment
 from tests.support.guides import RUNS, python_blocks, shell_blocks
 

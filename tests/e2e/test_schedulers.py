@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit._secret import write_secret_file
+from ddpkit._trust.secret import write_secret_file
 from tests.helpers import free_port, holds_within, job_environment
 from tests.support.guides import ROOT, _guide_job_script, _guide_mpirun_line
 

@@ -33,7 +33,7 @@ def test_a_fault_tolerant_trainloop_loads_ahead_with_the_training_loaders_worker
 
     from torch.utils.data import DataLoader, Subset
 
-    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+    from ddpkit._trust.secret import SECRET_VARIABLE, new_job_secret
     from ddpkit.examples.digits import digits_datasets
     from ddpkit.training._ahead import ShareLoader
 
@@ -72,7 +72,7 @@ _PAIR_SECRET = "a secret of this test, the same on both ranks"
 def _one_group_of_two_ranks(lighthouse: str, checkpoint_dir: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     import os
 
-    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit._trust.secret import SECRET_VARIABLE
     from tests.builders import digits_loop
 
     os.environ[SECRET_VARIABLE] = _PAIR_SECRET

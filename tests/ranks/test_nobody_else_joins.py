@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import GroupProofError
-from ddpkit._group_proof import prove_members
+from ddpkit._trust.group_proof import prove_members
 from ddpkit.testing import run_parallel
 from tests.helpers import JOB_SECRET
 
@@ -63,7 +63,7 @@ def _timeout_after_a_refusal(secrets: list[bytes]) -> tuple[str, float | None]:
     """A new group with a 123 s timeout proves with this rank's secret; what happened, and its timeout after."""
     from datetime import timedelta
 
-    from ddpkit._group_proof import _timeout_of
+    from ddpkit._trust.group_proof import _timeout_of
 
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=123))

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpkit import TrainLoop
-from ddpkit._secret import write_secret_file
+from ddpkit._trust.secret import write_secret_file
 from ddpkit.examples.demo import build_model
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.fault_tolerance import TorchFT

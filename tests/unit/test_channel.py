@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from ddpkit._channel import Channel, established_connections, normal
+from ddpkit._trust.channel import Channel, established_connections, normal
 
 A, B, RELAY = "10.0.0.1:4000", "10.0.0.2:5000", "10.0.0.9:7000"
 

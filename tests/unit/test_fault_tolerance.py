@@ -103,7 +103,7 @@ def test_a_fault_tolerant_trainloop_calls_the_callbacks_when_the_ddp_loop_does(
     """Once per epoch trained, on_epoch_begin before its first step (also when a checkpoint resumes it), as
     the DDP loop; should_stop set in the middle of an epoch ends fit after that step, as in the DDP loop; one
     group alone in its quorum, in this process."""
-    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+    from ddpkit._trust.secret import SECRET_VARIABLE, new_job_secret
 
     monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
     plain = _callback_events(None, tmp_path / "plain")
@@ -134,7 +134,7 @@ def test_a_fault_tolerant_trainloop_shows_its_progress_and_says_its_epochs_in_th
     line, named by the group."""
     from torch.utils.data import DataLoader, Subset
 
-    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+    from ddpkit._trust.secret import SECRET_VARIABLE, new_job_secret
     from ddpkit.examples.digits import digits_datasets
 
     monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
@@ -178,7 +178,7 @@ def test_the_jobs_first_step_waits_for_all_its_replica_groups_then_starts_withou
     trains a step alone that the other would do again; after quorum_timeout it starts with those that came."""
     import threading
 
-    from ddpkit._secret import SECRET_VARIABLE, new_job_secret
+    from ddpkit._trust.secret import SECRET_VARIABLE, new_job_secret
     from ddpkit.fault_tolerance import ReplicaGroup
 
     monkeypatch.setenv(SECRET_VARIABLE, new_job_secret().decode())
@@ -271,7 +271,7 @@ def test_a_fault_tolerant_trainloop_refuses_a_batch_sampler_naming_the_fix(monke
 def test_ddpkit_run_fault_tolerance_on_several_nodes_names_what_it_lacks(
     arguments: list[str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit._trust.secret import SECRET_VARIABLE
     from ddpkit.cli import main
 
     monkeypatch.delenv(SECRET_VARIABLE, raising=False)
@@ -309,7 +309,7 @@ def test_ddpkit_run_fault_tolerance_under_srun_or_mpirun_takes_one_task_a_node(
     task: dict[str, str], nnodes: str, said: str, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit._trust.secret import SECRET_VARIABLE
     from ddpkit.cli import main
 
     monkeypatch.delenv(SECRET_VARIABLE, raising=False)
@@ -434,7 +434,7 @@ def test_a_lighthouse_host_whose_name_resolves_to_loopback_here_is_refused_namin
     and this node would wait for one that nobody serves."""
     import socket
 
-    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit._trust.secret import SECRET_VARIABLE
     from ddpkit.cli import main
 
     resolve = socket.getaddrinfo
@@ -458,7 +458,7 @@ def test_a_lighthouse_port_taken_by_something_else_is_named_and_one_that_a_light
 ) -> None:
     import socket
 
-    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit._trust.secret import SECRET_VARIABLE
     from ddpkit.cli import main
     from ddpkit.fault_tolerance._job import _lighthouse_here
 

@@ -74,7 +74,7 @@ def test_a_record_of_another_job_with_the_same_secret_or_a_strangers_value_is_no
 def test_a_replayed_answer_to_the_question_for_the_jobs_id_is_not_taken() -> None:
     """Each process asks for the job's id with a fresh nonce: an answer signed for another nonce (recorded from an
     earlier question, or another job's) is not taken, and the server's own answer is."""
-    from ddpkit._sealed import SealedKeys
+    from ddpkit._trust.sealed import SealedKeys
     from ddpkit.fault_tolerance import _record
 
     with serve_lighthouse("127.0.0.1", secret=SECRET) as lighthouse:
@@ -93,7 +93,7 @@ def test_a_replayed_answer_to_the_question_for_the_jobs_id_is_not_taken() -> Non
 
 
 def test_a_record_with_another_secret_or_none_is_named_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit._trust.secret import SECRET_VARIABLE
 
     monkeypatch.delenv(SECRET_VARIABLE, raising=False)
     with serve_lighthouse("127.0.0.1", secret=SECRET) as signed:
@@ -281,7 +281,7 @@ def test_a_restarted_group_with_no_checkpoint_whose_jobs_holders_are_gone_ends_w
     anyone, and has no checkpoint, so it says the job must start again and ends without a restart by its agent
     (it once trained the whole run alone from step 0). With a checkpoint, it goes on from there."""
     from ddpkit._failures import StopWithoutRestart
-    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit._trust.secret import SECRET_VARIABLE
 
     monkeypatch.setenv(SECRET_VARIABLE, JOB_SECRET)
     monkeypatch.setenv("DDPKIT_REPLICA_GROUPS", "1")
@@ -312,7 +312,7 @@ def test_a_restarted_group_with_no_checkpoint_whose_jobs_holders_are_gone_ends_w
 def test_a_group_started_again_that_reaches_no_lighthouse_trains_nothing_and_ends_with_status_0(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit._trust.secret import SECRET_VARIABLE
 
     monkeypatch.setenv(SECRET_VARIABLE, JOB_SECRET)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
@@ -332,7 +332,7 @@ def test_a_group_with_the_secret_and_a_lighthouse_without_it_trains_without_the_
     """A lighthouse started without the job secret (as `ddpkit lighthouse` without --secret-file was, before it had
     a record) and a group given one: the group cannot trust the record, says so once with the fix, and trains as
     before the record existed."""
-    from ddpkit._secret import SECRET_VARIABLE
+    from ddpkit._trust.secret import SECRET_VARIABLE
 
     monkeypatch.delenv(SECRET_VARIABLE, raising=False)
     with serve_lighthouse("127.0.0.1") as lighthouse:

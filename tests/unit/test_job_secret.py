@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit import JobSecretError
-from ddpkit._secret import (
+from ddpkit._trust.secret import (
     MIN_SECRET_BITS,
     SECRET_VARIABLE,
     job_secret,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ddpkit import GroupProofError
-from ddpkit._secret import use_job_secret
+from ddpkit._trust.secret import use_job_secret
 from ddpkit.jobs import _rendezvous
 from tests.helpers import JOB_SECRET, OTHER_SECRET, rendezvous_handler, state_holder
 
@@ -167,7 +167,7 @@ def test_clones_of_the_signed_store_sign_and_outlive_torchs_hold_on_them() -> No
     writes, refuses what nobody with the secret wrote, and two ranks' clones meet."""
     import gc
 
-    from ddpkit._group_store import SignedStore
+    from ddpkit._trust.group_store import SignedStore
 
     base = _store()
     signed = [SignedStore(dist.PrefixStore("default_pg", base), SECRET, "job") for _ in "ab"]  # type: ignore[attr-defined]
@@ -193,8 +193,8 @@ _GLOO_ADDRESS = bytes.fromhex(
 
 
 def test_the_address_in_a_members_store_value_is_read_from_gloos_layout_not_from_its_padding() -> None:
-    from ddpkit._group_store import gloo_address, member_address
-    from ddpkit._secret import DIGEST_BYTES
+    from ddpkit._trust.group_store import gloo_address, member_address
+    from ddpkit._trust.secret import DIGEST_BYTES
 
     assert gloo_address(_GLOO_ADDRESS) == "127.0.0.1:35779"
     assert member_address(_GLOO_ADDRESS) == "127.0.0.1:35779", "a stranger's own, unsigned"

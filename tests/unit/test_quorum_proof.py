@@ -242,7 +242,7 @@ def test_groups_that_bind_their_address_at_once_each_get_their_own_and_neither_w
     could put the first's swapped class back for good: every later step of the process failed.)"""
     import time
 
-    from ddpkit._group_store import gloo_address
+    from ddpkit._trust.group_store import gloo_address
     from ddpkit.fault_tolerance._quorum_proof import _gloo_on
 
     module = torchft.process_group

@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ddpkit._group_store import SignedStore
-from ddpkit._sealed import SealedKeys
+from ddpkit._trust.group_store import SignedStore
+from ddpkit._trust.sealed import SealedKeys
 from tests.helpers import JOB_SECRET, OTHER_SECRET
 
 SECRET = JOB_SECRET.encode()
@@ -91,7 +91,7 @@ def test_a_groups_id_is_rank_0s_fresh_one_and_one_written_back_from_an_earlier_g
     import threading
 
     from ddpkit import GroupProofError
-    from ddpkit._group_store import agree_on_group_id
+    from ddpkit._trust.group_store import agree_on_group_id
 
     def agree(where: dist.Store, size: int) -> list[object]:
         found: list[object] = [None] * size
@@ -131,8 +131,8 @@ def test_private_values_are_sealed_with_chacha20_poly1305_and_the_old_format_is_
 
     from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-    from ddpkit import _sealed
-    from ddpkit._secret import tag
+    from ddpkit._trust import sealed as _sealed
+    from ddpkit._trust.secret import tag
 
     keys = SealedKeys(store, SECRET, "ctx")
     first, second = keys.seal("k", b"the same value", private=True), keys.seal("k", b"the same value", private=True)

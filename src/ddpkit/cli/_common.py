@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddpkit._secret import read_secret_file, use_job_secret
+from ddpkit._trust.secret import read_secret_file, use_job_secret
 from ddpkit.errors import JobSecretError
 
 __all__ = ["add_job_arguments", "fail", "use_secret_file"]

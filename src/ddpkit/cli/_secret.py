@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ddpkit._secret import write_secret_file
+from ddpkit._trust.secret import write_secret_file
 from ddpkit.cli._common import fail
 
 __all__ = ["add_parser", "handle"]

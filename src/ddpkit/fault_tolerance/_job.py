@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ddpkit._backends import default_nprocs
-from ddpkit._secret import SECRET_VARIABLE, job_secret, new_job_secret
 from ddpkit._stores import LoopbackHostError
+from ddpkit._trust.secret import SECRET_VARIABLE, job_secret, new_job_secret
 from ddpkit.environments import CLUSTER_ENV_VARIABLE
 from ddpkit.environments.replica_group import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.errors import PortTakenError, RendezvousFailedError

@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from ddpkit._secret import job_secret
 from ddpkit._stores import hosting_address
+from ddpkit._trust.secret import job_secret
 from ddpkit.errors import PortTakenError
 from ddpkit.fault_tolerance._record import RECORD_PORT_OFFSET, RecordServer
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpkit._group_store import SignedStore
+from ddpkit._trust.group_store import SignedStore
 from ddpkit.fault_tolerance._quorums import JobEnded, Verdict
 from ddpkit.fault_tolerance._torchft import bracketed
 
@@ -47,7 +47,7 @@ def manager_server_on(managers: Any, address: str) -> Iterator[None]:
 @contextmanager
 def signed_group_store(managers: Any, secret: bytes | None, context: str, made: list[SignedStore]) -> Iterator[None]:
     """Within the block (under :data:`_CONSTRUCTION`), torchft's ``Manager`` reaches the group's store through a
-    :class:`~ddpkit._group_store.SignedStore` for ``context`` (appended to ``made``) when there is a secret: the
+    :class:`~ddpkit._trust.group_store.SignedStore` for ``context`` (appended to ``made``) when there is a secret: the
     manager server's address and the group's replica id that its rank 0 writes there, and every rank reads, are
     signed, so that nobody who reaches the store can point the group's ranks to a manager of its own."""
     if secret is None:

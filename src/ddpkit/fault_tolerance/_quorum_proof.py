@@ -4,8 +4,8 @@ the job secret each time a quorum configures it, before any state or gradient mo
 torchft configures the group at the start of every quorum that differs from the last (a group joined or left,
 or the last step failed somewhere), then sends a recovering group its state and all-reduces the step's
 gradients over it. Here, with a job secret, the addresses the members give each other in the quorum's store
-are signed (:class:`ddpkit._group_store.SignedStore`: nobody else can put its own address in place of a
-member's), and the configuration ends with :func:`ddpkit._group_proof.check_members` over the new group. When
+are signed (:class:`ddpkit._trust.group_store.SignedStore`: nobody else can put its own address in place of a
+member's), and the configuration ends with :func:`ddpkit._trust.group_proof.check_members` over the new group. When
 a member cannot prove itself, the group is aborted and the configuration raises; torchft then fails the step
 in this group without sending or receiving any state (the next quorum configures afresh).
 """
@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ddpkit._channel import Channel, normal
-from ddpkit._group_proof import check_members
-from ddpkit._group_store import SignedStore, member_address
-from ddpkit._secret import DIGEST_BYTES, GUIDE, secret_source, tag
 from ddpkit._torch_private import NAMES, gloo_on_device, module_global_swapped, private
+from ddpkit._trust.channel import Channel, normal
+from ddpkit._trust.group_proof import check_members
+from ddpkit._trust.group_store import SignedStore, member_address
+from ddpkit._trust.secret import DIGEST_BYTES, GUIDE, secret_source, tag
 from ddpkit.errors import GroupProofError
 from ddpkit.fault_tolerance._torchft import torchft_module
 from ddpkit.fault_tolerance._waits import REAPER, Watched, Within

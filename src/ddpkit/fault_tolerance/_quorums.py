@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from ddpkit._sealed import SealedKeys
+from ddpkit._trust.sealed import SealedKeys
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance._record import JobRecord, LocalRecord, Record
 

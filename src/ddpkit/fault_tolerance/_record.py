@@ -7,7 +7,7 @@ The record is a torch ``TCPStore`` served in the lighthouse's process, on the li
 port (:data:`RECORD_PORT_OFFSET`): wherever a group finds the lighthouse, it finds the record. Its server draws
 an id for the job when it starts, and gives it to each process that asks with a fresh nonce, signed with the job
 secret for that nonce (so an answer recorded from an earlier job does not pass); the record's value is signed
-for that id (:class:`~ddpkit._sealed.SealedKeys`): nothing a stranger writes there, and nothing copied from
+for that id (:class:`~ddpkit._trust.sealed.SealedKeys`): nothing a stranger writes there, and nothing copied from
 another job with the same secret, is read as the job's. Without a secret, values are plain (a loopback job).
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from ddpkit._sealed import SealedKeys
-from ddpkit._secret import GUIDE, secret_source
 from ddpkit._stores import release_store, serve_store
+from ddpkit._trust.sealed import SealedKeys
+from ddpkit._trust.secret import GUIDE, secret_source
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance._torchft import bracketed, url_host
 

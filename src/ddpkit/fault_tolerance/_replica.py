@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ddpkit._gradients import reduce_gradients
-from ddpkit._group_store import SignedStore
-from ddpkit._secret import GUIDE, SECRET_VARIABLE, job_secret
 from ddpkit._stores import release_store, route_address, serve_store
+from ddpkit._trust.group_store import SignedStore
+from ddpkit._trust.secret import GUIDE, SECRET_VARIABLE, job_secret
 from ddpkit.collectives.objects import broadcast_object
 from ddpkit.connection import group_context
 from ddpkit.environments.base import is_loopback

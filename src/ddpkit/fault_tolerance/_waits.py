@@ -13,49 +13,23 @@ from typing import Any
 
 import torch
 
+from ddpkit._stores import ForwardingStore
+
 __all__ = ["REAPER", "WATCH_AFTER_S", "Watched", "Within"]
 
 
-class Within(torch.distributed.Store):  # type: ignore[misc, name-defined]  # torch does not type it
+class Within(ForwardingStore):
     """A quorum's store as gloo sees it while the group is made: every wait ends by one deadline, ``seconds`` from
     now, so that the set-up costs at most that however many members never write their address (gloo waits for
     each in turn, with the store's own timeout); everything else as ``inner`` does it."""
 
     def __init__(self, inner: Any, seconds: float) -> None:
-        super().__init__()
-        self._inner, self._deadline = inner, time.monotonic() + seconds
+        super().__init__(inner)
+        self._deadline = time.monotonic() + seconds
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         left = max(0.001, self._deadline - time.monotonic())
         self._inner.wait(keys, timedelta(seconds=left if timeout is None else min(left, timeout.total_seconds())))
-
-    def set(self, key: str, value: bytes | str) -> None:
-        self._inner.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._inner.get(key))
-
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return bytes(self._inner.compare_set(key, expected, desired))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._inner.check(keys))
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._inner.add(key, amount))
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._inner.delete_key(key))
-
-    def num_keys(self) -> int:
-        return int(self._inner.num_keys())
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._inner.timeout  # type: ignore[no-any-return]
 
 
 #: Seconds a collective of the quorum's group waits before it asks whether it can still complete.

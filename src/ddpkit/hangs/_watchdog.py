@@ -23,7 +23,7 @@ waits (rank 0 writing a checkpoint while the others wait) from counting.
 
 Anyone who reaches the store can write to it and read it. With a job secret the
 trigger, the answers and the leader's "done" go through
-:class:`~ddpkit._sealed.SealedKeys`: a trigger the job did not sign is ignored
+:class:`~ddpkit._trust.sealed.SealedKeys`: a trigger the job did not sign is ignored
 (it cannot end the job), and the answers (host names, pids, stacks) are
 encrypted, so a stranger who reads the store learns nothing from them. The
 leader is whoever sets the trigger first (a compare-and-set), not a counter.
@@ -49,11 +49,11 @@ import torch.distributed as dist
 
 from ddpkit._compat import override
 from ddpkit._failures import FAILURE_DIR_VARIABLE, write_hang_record
-from ddpkit._group_store import default_group_context
 from ddpkit._orphans import children_die_with_this_process
-from ddpkit._sealed import SealedKeys
-from ddpkit._secret import job_secret
 from ddpkit._torch_private import default_store, private
+from ddpkit._trust.group_store import default_group_context
+from ddpkit._trust.sealed import SealedKeys
+from ddpkit._trust.secret import job_secret
 from ddpkit.hangs._report import analyse, full_report, summary
 from ddpkit.hangs._stacks import children_stacks, dump_stacks_in_forked_children, kill_children, thread_stacks
 from ddpkit.hangs._state import GroupState, RankState, model_position
@@ -131,7 +131,7 @@ def start_watchdog(timeout: float | None = None, *, wait_for_group: bool = False
         wait_for_group: start before the default process group exists and attach
             when it appears (a script that calls ``init_process_group`` itself).
         context: what the default group is, for the signatures of the watchdog's keys (the text its members
-            proved the secret for); default: :func:`~ddpkit._group_store.default_group_context` of
+            proved the secret for); default: :func:`~ddpkit._trust.group_store.default_group_context` of
             ``MASTER_ADDR`` and ``MASTER_PORT``.
     """
     global _current

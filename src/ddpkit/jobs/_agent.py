@@ -44,10 +44,10 @@ from ddpkit._failures import (
     stopped_record,
     worker_failed_error,
 )
-from ddpkit._group_store import JOB_ID_VARIABLE
-from ddpkit._secret import SECRET_VARIABLE, export_job_secret, job_secret, new_job_secret
 from ddpkit._stores import hosting_address, release_store, route_address, serve_store
 from ddpkit._torch_private import private
+from ddpkit._trust.group_store import JOB_ID_VARIABLE
+from ddpkit._trust.secret import SECRET_VARIABLE, export_job_secret, job_secret, new_job_secret
 from ddpkit.environments import is_loopback
 from ddpkit.environments.base import check_resolves
 from ddpkit.environments.replica_group import LIGHTHOUSE_VARIABLE

@@ -47,8 +47,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     Token,
 )
 
-from ddpkit._group_store import JOB_ID_VARIABLE
-from ddpkit._secret import (
+from ddpkit._trust.group_store import JOB_ID_VARIABLE
+from ddpkit._trust.secret import (
     DIGEST_BYTES,
     SECRET_VARIABLE,
     job_secret,
