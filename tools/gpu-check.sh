@@ -60,7 +60,7 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"nccl\", \".\
 print(\"devices\", torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 '"
 # Every private torch/torchft name ddpkit uses, resolved on this machine's torch (none missing, or which).
-step private-names "$PY" -c 'import sys; from ddpkit._torch_private import check; f = check(); print(f or "none missing"); sys.exit(bool(f))'
+step private-names "$PY" -c 'import sys; from ddpkit._torch_private import report; sys.exit(report())'
 # tests/gpu holds the hang report under NCCL (it skips with one GPU: NCCL runs one rank per GPU).
 step cuda-tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu \
     tests/ranks/test_gather.py::test_cuda_tensors_come_back_on_their_device tests/ranks/test_comm_hooks.py

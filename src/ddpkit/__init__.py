@@ -33,7 +33,7 @@ from ddpkit.collectives import (
 )
 from ddpkit.comm_hooks import register_ddp_comm_hook
 from ddpkit.ddp_handler import DDPHandler
-from ddpkit.ddp_plugin import DDPPlugin, unwrap_model
+from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.environments import (
     ClusterEnvironment,
     ClusterSettings,
@@ -70,6 +70,7 @@ from ddpkit.loaders import (
     stream_loader,
 )
 from ddpkit.ordered import gather_in_order, gather_stream_in_order
+from ddpkit.parallel_plugin import ParallelPlugin, unwrap_model
 from ddpkit.process_group import (
     barrier,
     destroy_dist_connection,
@@ -115,6 +116,7 @@ __all__ = [
     "LocalEnvironment",
     "MPIEnvironment",
     "ModelCheckpoint",
+    "ParallelPlugin",
     "PortTakenError",
     "RendezvousFailedError",
     "SLURMEnvironment",

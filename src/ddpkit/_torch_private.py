@@ -42,6 +42,7 @@ __all__ = [
     "inner_of_compiled",
     "module_global_swapped",
     "private",
+    "report",
     "set_group_timeout",
     "worker_info_hidden",
 ]
@@ -148,6 +149,10 @@ NAMES: dict[str, PrivateName] = {
     ),
     "flight_recorder": PrivateName(
         "torch._C._distributed_c10d", "_dump_fr_trace", "the hang report's collectives (the flight recorder)",
+    ),
+    "ddp_rebuild_buckets": PrivateName(
+        "torch._C._distributed_c10d", "Reducer._rebuild_buckets",
+        "arming DDP's reducer for a backward whose loss did not come through the DDP model's forward (as Lightning)",
     ),
     "dynamo": PrivateName(
         "torch._dynamo", "", "preloading what DDP's constructor imports in a forkserver (2 s a worker otherwise)",
@@ -315,3 +320,14 @@ def module_global_swapped(module: Any, name: str, replacement: Any) -> Iterator[
                 setattr(module, name, original)
             else:
                 _swapped[key] = (original, count - 1)
+
+
+def report() -> int:
+    """Print every private name this torch (and torchft) lacks, then one line; 1 if any is missing, else 0
+    (``tools/torch-matrix.sh`` and ``tools/gpu-check.sh`` run it on each release)."""
+    missing = check()
+    for key, why in missing.items():
+        print(f"{key}: {why}")
+    found = f"{len(missing)} private name(s) missing" if missing else f"all {len(NAMES)} private names there"
+    print(f"torch {torch.__version__}: {found}")
+    return 1 if missing else 0

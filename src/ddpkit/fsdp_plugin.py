@@ -1,4 +1,4 @@
-"""The model side of sharded training: ``FSDPPlugin``, torch's FSDP2 (``fully_shard``) behind ``DDPPlugin``'s hooks.
+"""The model side of sharded training: ``FSDPPlugin``, torch's FSDP2 (``fully_shard``), a sibling of ``DDPPlugin``.
 
 With ``TrainLoop(..., plugin=ddpkit.FSDPPlugin())`` every rank holds ``1/W``
 of each weight, of its gradient and of its optimizer state (as ``DTensor``
@@ -26,9 +26,9 @@ from tqdm import tqdm
 from ddpkit._activations import ActivationCheckpointingPolicy
 from ddpkit.batches import iter_tensors
 from ddpkit.checkpoint import save_sharded, start_saving_sharded
-from ddpkit.ddp_plugin import DDPPlugin, unwrap_model
 from ddpkit.environments import detect_environment
 from ddpkit.hangs._state import mark_model_position
+from ddpkit.parallel_plugin import ParallelPlugin, load_whole_or_sharded, unwrap_model, whole_state_dict
 from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, is_distributed
 
 if TYPE_CHECKING:
@@ -40,9 +40,10 @@ __all__ = ["FSDPPlugin"]
 WrapPolicy = set[type[nn.Module]] | tuple[type[nn.Module], ...] | list[type[nn.Module]] | Callable[[nn.Module], bool]
 
 
-class FSDPPlugin(DDPPlugin):
+class FSDPPlugin(ParallelPlugin):
     """Shards the model over the ranks with torch's FSDP2 ``fully_shard`` (Lightning's ``FSDPStrategy``,
-    Accelerate's ``FullyShardedDataParallelPlugin`` with ``fsdp_version=2``), with ``DDPPlugin``'s hooks.
+    Accelerate's ``FullyShardedDataParallelPlugin`` with ``fsdp_version=2``): ``DDPPlugin``'s sibling, called by a
+    training loop where it calls ``DDPPlugin``.
 
     Each unit chosen by ``auto_wrap_policy`` is ``fully_shard``-ed, then the
     whole model (its leftover parameters); ``fully_shard`` replaces the
@@ -126,7 +127,7 @@ class FSDPPlugin(DDPPlugin):
 
     # --- the model ---------------------------------------------------------------------------------
 
-    def configure_ddp(self, model: nn.Module, device_ids: list[int] | None) -> nn.Module:  # type: ignore[override]
+    def configure_ddp(self, model: nn.Module, device_ids: list[int] | None) -> nn.Module:
         """``fully_shard`` each unit of ``model``, then ``model`` itself, in place; returns ``model`` (now also an
         ``FSDPModule``). Every rank calls it, with the model on its device (``device_ids``: ``[local_rank]`` on
         a GPU, ``None`` on CPU). Rank 0's weights are what every rank starts from (as DDP broadcasts them).
@@ -310,9 +311,9 @@ class FSDPPlugin(DDPPlugin):
         rank its shards, torch's ``torch.distributed.checkpoint`` format); ``({}, {}, name)``. With
         ``asynchronous``: copy the shards to the CPU and start the write (``async_save``, its collectives on a gloo
         group of its own), which :meth:`take_pending_write` hands over. Unsharded (one process): the state dicts
-        themselves, as ``DDPPlugin`` (every rank calls it)."""
+        themselves, as ``DDPPlugin`` gives them (every rank calls it)."""
         if not _is_sharded(model):
-            return super().checkpoint_state(model, optimizer, directory, name, asynchronous=asynchronous)
+            return unwrap_model(model).state_dict(), self.optimizer_state(optimizer), None
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         weights, optimizer_state = get_state_dict(model, optimizer)
@@ -340,7 +341,7 @@ class FSDPPlugin(DDPPlugin):
         sharded checkpoint of any world size, resharded for this one; or whole ones (a DDP or one-process
         run's), each rank taking its shards (every rank calls it)."""
         if sharded is not None or not _is_sharded(model):
-            super().load_checkpoint_state(model, optimizer, weights, optimizer_state, sharded)
+            load_whole_or_sharded(model, optimizer, weights, optimizer_state, sharded)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -355,7 +356,7 @@ class FSDPPlugin(DDPPlugin):
         cpu_offload=True``): every rank must call it; rank 0 gets them, the others ``{}``. Unsharded: every
         rank's own ``state_dict()`` on the CPU."""
         if not _is_sharded(model):
-            return super().full_state_dict(model)
+            return whole_state_dict(model)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)

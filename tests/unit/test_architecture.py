@@ -230,3 +230,29 @@ def test_training_has_one_batch_body_one_epoch_loop_one_progress_bar_and_one_pla
     assert {line.split(":")[0] for line in found["on_epoch_begin"]} == {"_run.py"}, found["on_epoch_begin"]
     assert len(found["tqdm"]) == 1, found["tqdm"]
     assert sorted(found["fault_tolerance is"]) == ["_loop.py:__init__", "_loop.py:fit"], found["fault_tolerance is"]
+
+
+def test_the_plugins_are_siblings_and_the_loop_calls_only_what_their_parent_declares() -> None:
+    """``DDPPlugin`` and ``FSDPPlugin`` both implement ``ParallelPlugin`` (as Lightning's DDP and FSDP strategies
+    its ``ParallelStrategy``); neither is the other's child, and the training loop asks a plugin only what
+    ``ParallelPlugin`` declares, so that a third plugin needs nothing else."""
+    from ddpkit import DDPPlugin, FSDPPlugin, ParallelPlugin
+
+    assert not issubclass(FSDPPlugin, DDPPlugin)
+    assert not issubclass(DDPPlugin, FSDPPlugin)
+    assert {DDPPlugin.__base__, FSDPPlugin.__base__} == {ParallelPlugin}
+    declared = set(dir(ParallelPlugin))
+    asked = set()
+    for path in (PACKAGE / "training").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute | ast.Name):
+                owner = node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
+                if owner == "plugin":
+                    asked.add(node.attr)
+    assert len(asked) >= 8, asked
+    assert sorted(asked - declared) == []
+    # What each plugin must say its own way is abstract in the parent: a plugin that leaves one out cannot be made.
+    assert ParallelPlugin.__abstractmethods__ == {
+        "configure_ddp", "on_after_setup_optimizers", "block_backward_sync", "checkpoint_state",
+        "load_checkpoint_state", "full_state_dict",
+    }  # fmt: skip

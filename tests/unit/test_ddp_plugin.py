@@ -83,7 +83,7 @@ def test_on_before_forward_moves_inputs_to_the_models_device() -> None:
 def test_on_before_forward_finds_the_device_where_model_parameters_does() -> None:
     """The device lookup runs before every forward, so it walks the modules itself: it must find the tensor
     ``next(model.parameters())`` (else ``next(model.buffers())``) finds, however deep."""
-    from ddpkit.ddp_plugin import _device_of
+    from ddpkit.parallel_plugin import _device_of
 
     class OwnFirst(nn.Module):  # its own parameter comes before its child's, whatever the registration order
         def __init__(self) -> None:

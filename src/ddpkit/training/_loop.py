@@ -26,6 +26,7 @@ from ddpkit.ddp_handler import DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT, torchft_settings
 from ddpkit.jobs.launch import StartMethod
+from ddpkit.parallel_plugin import ParallelPlugin
 from ddpkit.plotting import plot_history
 from ddpkit.process_group import ensure_dist_connection, rank_device
 from ddpkit.training._ddp_steps import DDPSteps
@@ -223,7 +224,7 @@ class TrainLoop:
         criterion: nn.Module | None = None,
         *,
         device: torch.device | str | None = None,
-        plugin: DDPPlugin | None = None,
+        plugin: ParallelPlugin | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int | None = None,
         checkpoint_async: bool = False,

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from ddpkit.callbacks import CallbacksHandler
 from ddpkit.ddp_handler import DDPHandler
-from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT
+from ddpkit.parallel_plugin import ParallelPlugin
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Recipe
 from ddpkit.training._state import RunState
@@ -32,7 +32,7 @@ class Trains(Protocol):
     validation_loader: DataLoader[Any] | None
     optimizer: torch.optim.Optimizer
     device: torch.device
-    plugin: DDPPlugin
+    plugin: ParallelPlugin
     checkpoint_dir: Path | None
     checkpoint_every: int | None
     checkpoint_async: bool
