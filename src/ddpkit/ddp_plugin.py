@@ -182,5 +182,3 @@ class DDPPlugin(ParallelPlugin):
             model.reducer.prepare_for_backward(tensors)
         else:
             model.require_forward_param_sync = False
-
-

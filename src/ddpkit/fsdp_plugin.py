@@ -12,7 +12,6 @@ holds as with DDP: the loop asks the plugin, never which plugin it has.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,10 +23,9 @@ from torch.optim import Optimizer
 from tqdm import tqdm
 
 from ddpkit._activations import ActivationCheckpointingPolicy
-from ddpkit.batches import iter_tensors
+from ddpkit._fsdp_units import WrapPolicy, choose_units, mark_units, units_source, units_text
 from ddpkit.checkpoint import save_sharded, start_saving_sharded
 from ddpkit.environments import detect_environment
-from ddpkit.hangs._state import mark_model_position
 from ddpkit.parallel_plugin import ParallelPlugin, load_whole_or_sharded, unwrap_model, whole_state_dict
 from ddpkit.process_group import ensure_dist_connection, get_rank, get_world_size, is_distributed
 
@@ -35,9 +33,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["FSDPPlugin"]
-
-#: Which modules are their own unit: module classes, or ``module -> bool`` (Lightning's ``auto_wrap_policy``).
-WrapPolicy = set[type[nn.Module]] | tuple[type[nn.Module], ...] | list[type[nn.Module]] | Callable[[nn.Module], bool]
 
 
 class FSDPPlugin(ParallelPlugin):
@@ -164,13 +159,13 @@ class FSDPPlugin(ParallelPlugin):
         if self.offload_policy is not None:
             options["offload_policy"] = self.offload_policy
         _broadcast_from_rank_zero(model)
-        units = self._units(model)
+        units = choose_units(model, self.auto_wrap_policy)
         if get_rank() == 0:
-            tqdm.write(f"FSDPPlugin: {_units_text(model, units, self._units_source(model))}\n", end="")
+            tqdm.write(f"FSDPPlugin: {units_text(model, units, units_source(model, self.auto_wrap_policy))}\n", end="")
         for unit in units:
             fully_shard(unit, **options)
         fully_shard(model, **options)
-        _mark_units(model)
+        mark_units(model)
         self._sharded = model
         return model
 
@@ -195,32 +190,8 @@ class FSDPPlugin(ParallelPlugin):
         their own, as ``auto_wrap_policy`` or the default chooses them; the whole model is one too, for the
         parameters they leave (not listed). A model already sharded or wrapped is looked through."""
         model = unwrap_model(model)
-        chosen = {id(unit) for unit in self._units(model)}
+        chosen = {id(unit) for unit in choose_units(model, self.auto_wrap_policy)}
         return [name for name, module in model.named_modules() if id(module) in chosen]
-
-    def _units_source(self, model: nn.Module) -> str:
-        """Where the units come from, in words."""
-        if self.auto_wrap_policy is not None:
-            return "auto_wrap_policy"
-        return "the model's _no_split_modules" if _no_split_classes(model) else "the layers of its stacks"
-
-    def _units(self, model: nn.Module) -> list[nn.Module]:
-        """The submodules to shard as units of their own, children before their parents."""
-        policy = self.auto_wrap_policy
-        if policy is None:
-            names = _no_split_classes(model)
-            chosen = (
-                {id(unit) for unit in model.modules() if type(unit).__name__ in names}
-                if names
-                else {id(unit) for unit in _stack_layers(model)}
-            )
-            wanted: Callable[[nn.Module], bool] = lambda module: id(module) in chosen  # noqa: E731
-        elif callable(policy) and not isinstance(policy, type):
-            wanted = policy
-        else:
-            classes = tuple(policy)  # type: ignore[arg-type]
-            wanted = lambda module: isinstance(module, classes)  # noqa: E731
-        return [module for module in reversed(list(model.modules())) if module is not model and wanted(module)]
 
     def on_after_setup_optimizers(self, trainer: object) -> None:
         """Point ``trainer.optimizer`` (when it has one) at the sharded parameters, in place: the same optimizer
@@ -376,73 +347,6 @@ class FSDPPlugin(ParallelPlugin):
             for state in optimizer.state.values():
                 held["optimizer"] += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
         return {**held, "total": sum(held.values())}
-
-
-def _mark_units(model: nn.Module) -> None:
-    """Hooks that tell the hang watchdog which unit's forward or backward this rank is in (its all-gather, or
-    its gradients' reduce-scatter): a hang report names the unit a rank did not reach. Each runs before FSDP's
-    own hook of the same kind, which is where a rank waits."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for name, unit in model.named_modules():
-        if isinstance(unit, FSDPModule) and isinstance(unit, nn.Module):
-            label = f"FSDP unit {name!r}" if name else "the sharded model's root"
-            unit.register_forward_pre_hook(functools.partial(_entered, f"{label} (forward)"), prepend=True)
-            unit.register_forward_hook(functools.partial(_backward_enters, f"{label} (backward)"), prepend=True)
-
-
-def _entered(label: str, module: nn.Module, args: Any) -> None:
-    mark_model_position(label)
-
-
-def _backward_enters(label: str, module: nn.Module, args: Any, output: Any) -> None:
-    """Mark ``label`` when the gradient reaches ``output`` (the unit's backward begins)."""
-    if torch.is_grad_enabled():
-        for tensor in iter_tensors(output):
-            if tensor.requires_grad:
-                tensor.register_hook(functools.partial(_gradient_arrived, label))  # type: ignore[no-untyped-call]
-
-
-def _gradient_arrived(label: str, gradient: torch.Tensor) -> None:
-    mark_model_position(label)
-
-
-def _no_split_classes(model: nn.Module) -> set[str]:
-    """The class names in the ``_no_split_modules`` of the outermost module that has one (transformers' blocks
-    that must stay whole: the model's, or the model's inside a user's wrapper) of which the model has at least one;
-    empty when none."""
-    hints = (getattr(module, "_no_split_modules", None) for module in model.modules())
-    hint: Any = next((found for found in hints if found is not None), ())
-    present = {type(module).__name__ for module in model.modules() if module is not model}
-    return {name for name in hint if isinstance(name, str)} & present
-
-
-def _units_text(model: nn.Module, units: list[nn.Module], source: str) -> str:
-    """``3 units (GPT2Block: transformer.h.0 ... transformer.h.2; from the model's _no_split_modules) and the
-    whole model for the rest``: what ``configure_ddp`` shards, on one line."""
-    names = {id(module): name for name, module in model.named_modules()}
-    by_class: dict[str, list[str]] = {}
-    for unit in reversed(units):  # the model's order
-        by_class.setdefault(type(unit).__name__, []).append(names[id(unit)])
-    kinds = "; ".join(
-        f"{cls}: {', '.join(found) if len(found) <= 3 else f'{found[0]} ... {found[-1]}'}"
-        for cls, found in by_class.items()
-    )
-    return (
-        f"{len(units)} unit{'s' if len(units) != 1 else ''} of their own ({kinds or 'none'}; from {source}), and the "
-        "whole model for the parameters they leave"
-    )
-
-
-def _stack_layers(module: nn.Module) -> Iterator[nn.Module]:
-    """The children with parameters of the outermost ``nn.Sequential`` / ``nn.ModuleList`` on each path down
-    from ``module`` (the default units)."""
-    for child in module.children():
-        if isinstance(module, nn.Sequential | nn.ModuleList):
-            if any(True for _ in child.parameters()):
-                yield child
-        else:
-            yield from _stack_layers(child)
 
 
 def _is_sharded(model: nn.Module) -> bool:

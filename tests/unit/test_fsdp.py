@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ddpkit import FSDPPlugin
+from ddpkit._fsdp_units import choose_units
 from ddpkit.checkpoint import load_sharded, save_sharded
 from ddpkit.fsdp_plugin import _named
 from ddpkit.samplers import EpochLayout
@@ -25,18 +26,18 @@ from tests.support.sharded import Block, Stack
 
 def test_the_default_units_are_the_layers_of_the_outermost_stacks() -> None:
     stack = Stack(depth=3)
-    assert FSDPPlugin()._units(stack) == list(reversed(stack.blocks)), "the blocks, not the layers inside them"
+    assert choose_units(stack, None) == list(reversed(stack.blocks)), "the blocks, not the layers inside them"
     sequential = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
-    assert FSDPPlugin()._units(sequential) == [sequential[2], sequential[0]], "children with parameters, last first"
-    assert FSDPPlugin()._units(nn.Linear(2, 2)) == [], "no stack: only the model itself"
+    assert choose_units(sequential, None) == [sequential[2], sequential[0]], "children with parameters, last first"
+    assert choose_units(nn.Linear(2, 2), None) == [], "no stack: only the model itself"
 
 
 def test_a_wrap_policy_of_classes_or_a_callable_picks_children_before_parents() -> None:
     stack = Stack(depth=2)
-    by_class = FSDPPlugin(auto_wrap_policy={Block, nn.LayerNorm})._units(stack)
+    by_class = choose_units(stack, {Block, nn.LayerNorm})
     assert {id(m) for m in by_class} == {id(m) for b in stack.blocks for m in (b, b.norm)}
     assert all(by_class.index(b.norm) < by_class.index(b) for b in stack.blocks), "a unit's parts go first"
-    assert FSDPPlugin(auto_wrap_policy=lambda m: m is stack.head)._units(stack) == [stack.head]
+    assert choose_units(stack, lambda m: m is stack.head) == [stack.head]
     with pytest.raises(TypeError, match=r"nn\.Module classes"):
         FSDPPlugin(auto_wrap_policy={"Block"})  # type: ignore[arg-type]
 
