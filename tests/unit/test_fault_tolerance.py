@@ -365,7 +365,8 @@ def test_torchfts_tracebacks_go_to_debug_and_a_failed_step_keeps_its_cause_in_on
 ) -> None:
     import logging
 
-    from ddpkit.fault_tolerance._replica import _first_line, _QuietTorchft
+    from ddpkit.fault_tolerance._torchft_log import QuietTorchft as _QuietTorchft
+    from ddpkit.fault_tolerance._torchft_log import first_line as _first_line
 
     try:
         raise RuntimeError("[/w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:11677: reset\nat ...")

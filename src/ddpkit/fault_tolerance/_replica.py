@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -20,7 +19,7 @@ from ddpkit._trust.secret import GUIDE, SECRET_VARIABLE, job_secret
 from ddpkit.collectives.objects import broadcast_object
 from ddpkit.connection import group_context
 from ddpkit.environments.base import is_loopback
-from ddpkit.errors import DDPKitError, RendezvousFailedError
+from ddpkit.errors import RendezvousFailedError
 from ddpkit.fault_tolerance._healing import TensorTransport
 from ddpkit.fault_tolerance._manager import SeenQuorum, client_recording, manager_server_on, signed_group_store
 from ddpkit.fault_tolerance._quorum_proof import claim_store, proven_gloo
@@ -34,6 +33,7 @@ from ddpkit.fault_tolerance._record import (
     record_address,
 )
 from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
+from ddpkit.fault_tolerance._torchft_log import first_line, quiet_torchft
 from ddpkit.process_group import get_rank, get_world_size
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class ReplicaGroup:
     ) -> None:  # fmt: skip
         torchft = torchft_module()
         managers = torchft_module("torchft.manager")
-        _quiet_torchft()
+        quiet_torchft()
         local = local_address(lighthouse)
         secret = job_secret()
         if secret is None:
@@ -275,7 +275,7 @@ class ReplicaGroup:
         Every group of the quorum calls it. When it is not, :attr:`failure` says why, as far as this group saw.
         The quorum's first participant notes the step in the job's record (in the background)."""
         error = self._manager.errored()
-        self.failure = None if error is None else _first_line(error.original_exception)
+        self.failure = None if error is None else first_line(error.original_exception)
         committed = bool(self._manager.should_commit())
         if committed and self._judge is not None and self._manager.participating_rank() == 0:
             self._record.note_commit(self._judge.generation, self.step, tuple(self._seen.ids))
@@ -299,42 +299,6 @@ class ReplicaGroup:
         self._record.close()
         release_store(self._store_port)
         self._store_port = None
-
-
-class _QuietTorchft(logging.Filter):
-    """torchft's manager log, one line per event: a failed step's exception (torchft logs it with its
-    traceback, in every group, at every failure) goes to ddpkit's log at DEBUG, since :meth:`ReplicaGroup.commit`
-    keeps its first line for the group's own "step N was not committed" warning, except ddpkit's own errors
-    (a member of the quorum that cannot prove the job secret, named), which keep their line without the
-    traceback; and, on a torch without NCCL
-    (a CPU build), the "Unable to reset NCCL flight recorder" warning that every group prints at every new
-    quorum is dropped: there is no flight recorder to reset."""
-
-    def __init__(self, nccl: bool) -> None:
-        super().__init__()
-        self.nccl = nccl
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.levelno >= logging.ERROR:
-            log.debug("torchft: %s", record.getMessage(), exc_info=record.exc_info)
-            if not isinstance(record.exc_info[1], DDPKitError):
-                return False
-            record.exc_info = record.exc_text = None  # who failed the proof, in one line
-        return self.nccl or "Unable to reset NCCL flight recorder" not in record.getMessage()
-
-
-def _first_line(error: BaseException) -> str:
-    """``Type: message``, its first line without gloo's source location, at most 200 characters."""
-    message = re.sub(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ", "", str(error).strip().partition("\n")[0])
-    text = f"{type(error).__name__}: {message}"
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-def _quiet_torchft() -> None:
-    """Install :class:`_QuietTorchft` on torchft's manager logger, once."""
-    logger = logging.getLogger("torchft.manager")
-    if not any(isinstance(f, _QuietTorchft) for f in logger.filters):
-        logger.addFilter(_QuietTorchft(torch.distributed.is_nccl_available()))
 
 
 def _warn_without_secret() -> None:

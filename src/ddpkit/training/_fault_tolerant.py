@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from ddpkit._failures import StopWithoutRestart
-from ddpkit._torch_private import private
 from ddpkit.checkpoint import rng_state
 from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
@@ -40,35 +39,13 @@ from ddpkit.process_group import get_rank, get_world_size
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
 from ddpkit.training._ahead import ShareLoader, shares
 from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, peak_memory
+from ddpkit.training._replica_checks import numeric_buffers, weight_norms
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import TrainState
 
 __all__ = ["FaultTolerantSteps"]
 
 log = logging.getLogger(__name__)
-
-
-def _numeric_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The model's numeric buffers (BatchNorm's running statistics and batch count): what the groups average
-    each step (integer ones rounded), so that every group has the same."""
-    return [buffer for buffer in model.buffers() if buffer.dtype != torch.bool and not buffer.is_complex()]
-
-
-def _weight_norms(model: torch.nn.Module) -> list[float]:
-    """The L1 norm and the squared L2 norm of ``model``'s parameters (each parameter's norms in its dtype, summed in
-    float64; both orders' norms in one ``stack`` per device, read back once)."""
-    per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for parameter in model.parameters():
-        per_device.setdefault(parameter.device, []).append(parameter.detach())
-    l1 = l2 = 0.0
-    foreach_norm = private("foreach_norm")
-    with torch.no_grad():
-        for tensors in per_device.values():
-            count = len(tensors)
-            norms = torch.stack([*foreach_norm(tensors, 1), *foreach_norm(tensors, 2)]).double()
-            sums = torch.stack([norms[:count].sum(), norms[count:].square().sum()]).tolist()
-            l1, l2 = l1 + sums[0], l2 + sums[1]
-    return [l1, l2]
 
 
 class _CannotGoOn(StopWithoutRestart):
@@ -258,8 +235,8 @@ class FaultTolerantSteps:
         ``None`` when it was not (the next quorum does it again)."""
         loop, state, model = self.loop, self.loop.state, self.loop.model
         participants, index = step.deal
-        own = _weight_norms(model) if index is not None else [0.0, 0.0]
-        buffers = _numeric_buffers(model)
+        own = weight_norms(model) if index is not None else [0.0, 0.0]
+        buffers = numeric_buffers(model)
         # The loss sums, the tokens, the weights' norms, SLURM's signals, each group's time per batch of loading
         # and forward (in its slot: the quorum's names, sorted) and the buffers (BatchNorm's statistics) ride with
         # the gradients: one tensor made from numbers on the host, and the buffers.
