@@ -249,6 +249,14 @@ def in_a_namespace(mode: str, out: Path, module: str = "tests.e2e.netns_job", ti
     return result
 
 
+def namespace_loopback(*addresses: str) -> None:
+    """Inside :func:`in_a_namespace`'s namespace: bring its loopback up, with ``addresses`` (each a ``/32``) on it
+    beside 127.0.0.1, the "nodes" and strangers of the script that runs there."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    for address in addresses:
+        subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", "lo"], check=True)
+
+
 def no_processes(monkeypatch: pytest.MonkeyPatch, folder: str, pool: bool) -> None:
     """Make starting a process fail in this test, naming what it started and where such a test belongs: a
     subprocess, and a multiprocessing process unless ``pool`` and it is the session pool's worker or a

@@ -15,10 +15,10 @@ figures, or ``failed`` with the reason.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import namespace_loopback
 from tests.support.chaos import check_chaos, run_chaos, schedule
 
 HOST = "10.77.0.1"
@@ -27,8 +27,7 @@ SEED = 2
 
 
 def main(out: Path) -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    subprocess.run(["ip", "addr", "add", f"{HOST}/32", "dev", "lo"], check=True)
+    namespace_loopback(HOST)
     run = run_chaos(SEED, out, endpoint=f"{HOST}:29510")
     result: dict[str, object] = {"schedule": [str(fault) for fault in schedule(SEED, 3, 138)]}
     try:

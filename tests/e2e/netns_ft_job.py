@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e.ft_trainloop import steps
-from tests.helpers import OTHER_SECRET, descendants, holds_within, listening_sockets
+from tests.helpers import OTHER_SECRET, descendants, holds_within, listening_sockets, namespace_loopback
 
 #: Seconds each stranger takes part.
 STRANGER_S = 10.0
@@ -115,7 +115,7 @@ def _kill(lighthouse: str, out: Path) -> dict[str, Any]:
 
 
 def main(out: Path) -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    namespace_loopback()
     result: dict[str, Any] = {}
     command = [sys.executable, "-m", "ddpkit", "run", "--fault-tolerance", "-n", "2", "--max-restarts", "2",
                "-m", "tests.e2e.ft_trainloop", "-", "-", str(out), "0", DELAY_S]  # fmt: skip

@@ -30,7 +30,7 @@ from typing import Any
 
 from ddpkit._trust.secret import write_secret_file
 from tests.e2e.ft_trainloop import steps
-from tests.helpers import descendants, holds_within, listening_sockets
+from tests.helpers import descendants, holds_within, listening_sockets, namespace_loopback
 
 HOST, OTHER = "10.77.0.1", "10.77.0.2"
 DELAY_S = "0.35"
@@ -39,9 +39,7 @@ SECOND_KILL_AT = 52
 
 
 def main(out: Path, late: bool = False) -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    for address in (HOST, OTHER):
-        subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", "lo"], check=True)
+    namespace_loopback(HOST, OTHER)
     secret = out / "secret"
     write_secret_file(str(secret))
     marker = str(out / "restarted-{group}")

@@ -34,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import JOB_SECRET, free_port, holds_within, listening_sockets
+from tests.helpers import JOB_SECRET, free_port, holds_within, listening_sockets, namespace_loopback
 
 HOST = "10.77.0.1"
 HOST6 = "fd77::1"
@@ -217,9 +217,7 @@ def _start_agents(endpoint: str, script: Path, out: Path, env: dict[str, str]) -
 
 
 def main(mode: str, out: Path) -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    subprocess.run(["ip", "addr", "add", f"{HOST}/32", "dev", "lo"], check=True)
-    subprocess.run(["ip", "addr", "add", f"{STRANGER}/32", "dev", "lo"], check=True)
+    namespace_loopback(HOST, STRANGER)
     subprocess.run(["ip", "-6", "addr", "add", f"{HOST6}/128", "dev", "lo", "nodad"], check=True)
     if mode in ("hijack", "takeover"):
         _secret_job(mode, out)

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit._trust.secret import write_secret_file
-from tests.helpers import job_environment
+from tests.helpers import job_environment, namespace_loopback
 
 #: The watchdog's deadline (seconds): the real hang is reported this long after it starts.
 DEADLINE = 4
@@ -103,7 +103,7 @@ ATTACK_S = 8.0
 
 
 def main(mode: str, out: Path) -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    namespace_loopback()
     if mode == "relay":
         relayed(out)
         return
