@@ -41,7 +41,7 @@ for release in "${releases[@]}"; do
     names=$?
     "$env_dir/bin/python" -m pytest -q -p no:cacheprovider tests/unit tests/ranks >> "$log" 2>&1
     tests=$?
-    summary=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$log" | tail -1 | tr -d '=')
+    summary=$(grep -a -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$log" | tail -1 | tr -d '=')
     echo "torch $installed ($(date -u +%F)): private names $([ $names = 0 ] && echo ok || echo MISSING);" \
         "unit+ranks: ${summary:-no summary} ($((SECONDS - start)) s)" | tee -a "$results"
 done
