@@ -67,7 +67,7 @@ nitpick_ignore_regex = [
         r"(~?ddpkit\.[\w.]*\.)?(T|P|~P|Loaders|Mode|Split|StreamEnds|Scheduler|SchedulerFactory|Precision|"
         r"Interval|Criterion|TrainLoopView|HasCallbacks|SupportsMainAddress|SupportsClusterEnvironment|"
         r"EpochLayout|_Monitor|_MetricsLogger|RetrievalValidation|TrainingEpochs|StreamBatch|WrapPolicy|RecordServer|StepMetrics|LossSums|ActivationCheckpointingPolicy|"
-        r"MetricSet)",
+        r"MetricSet|DefaultSteps)",
     ),
 ]
 

@@ -256,3 +256,22 @@ def test_the_plugins_are_siblings_and_the_loop_calls_only_what_their_parent_decl
         "configure_ddp", "on_after_setup_optimizers", "block_backward_sync", "checkpoint_state",
         "load_checkpoint_state", "full_state_dict",
     }  # fmt: skip
+
+
+def test_no_module_over_400_lines_and_no_function_over_60_lines() -> None:
+    """A module holds one concept and a function does one thing: a module of ddpkit is at most 400 lines, a
+    function at most 60 (its docstring aside), so that a reader can hold either in mind at once."""
+    long_modules, long_functions = [], []
+    for module, path in _modules():
+        text = path.read_text()
+        if text.count("\n") > 400:
+            long_modules.append(f"{module}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = node.body[0]
+                documented = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                start = (first.end_lineno or first.lineno) + 1 if documented else first.lineno
+                if (node.end_lineno or 0) - start + 1 > 60:
+                    long_functions.append(f"{module}.{node.name} (line {node.lineno})")
+    assert long_modules == []
+    assert long_functions == []

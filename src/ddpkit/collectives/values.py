@@ -13,6 +13,7 @@ blob per rank. On NCCL the blobs go through one padded ``all_gather``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -146,9 +147,7 @@ def gather_values(
     except (TypeError, ValueError) as exc:
         header, raws, values = error_header(exc), [], {}
 
-    def check(headers: list[Header]) -> None:
-        _check(what, headers)
-
+    check = functools.partial(_check, what)
     # Small data rides in the metadata exchange; each rank says whether its data did.
     header["inline"] = sum(r.numel() for r in raws) <= 4096
     every_key = range(len(raws))

@@ -74,106 +74,110 @@ def proven_gloo(
                        member_timeout=min(member_timeout, timeout), doomed=doomed)  # fmt: skip
 
 
-@functools.cache
-def _proven_class() -> type[Any]:
-    torchft = torchft_module("torchft.process_group")
-    options = private("allgather_options")
+# torchft's gloo group, to the type checker (torchft is imported only when a group is made).
+_TorchftGloo: Any = object
 
-    class ProvenGloo(torchft.ProcessGroupGloo):  # type: ignore[misc, name-defined]
-        """torchft's gloo group, proving its members at every configuration."""
 
-        def __init__(self, *, timeout: timedelta, secret: bytes | None, replica_ids: Callable[[], Sequence[str]],
-                     address: str | None, member_timeout: float, doomed: Callable[[int], str | None] | None,
-                     ) -> None:  # fmt: skip
-            super().__init__(timeout=timeout)
-            self._secret, self._ids, self._seconds = secret, replica_ids, timeout.total_seconds()
-            self._address, self._member_seconds, self._doomed = address, member_timeout, doomed
-            self._rank_in_group: int | None = None  # this rank's in its replica group, once configured
-            self._forming: tuple[str, Callable[[], dict[int, str]]] = ("", dict)
-            self._signed: SignedStore | None = None
-            self._within: Within | None = None  # kept: torch holds only its C++ part
+class _Proving(_TorchftGloo):  # type: ignore[misc]
+    """What :func:`_proven_class` adds to torchft's gloo group: its members proved at every configuration
+    (a mixin before torchft's class, which is imported only when a group is made)."""
 
-        def configure(
-            self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
-            group_rank: int | None = None, group_world_size: int | None = None, global_ranks: list[int] | None = None,
-        ) -> None:  # fmt: skip
-            secret, self._rank_in_group = self._secret, group_rank
-            if world_size > 1:
-                try:  # a store that is gone (its group died) fails at once, not after torch's connect retries
-                    _store_answers(store_addr, self._member_seconds)
-                except Exception:
-                    self.abort(errored=False)
-                    raise
-            if secret is None or world_size == 1:
-                super().configure(
-                    store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
-                )
-                return
-            ids = list(self._ids())  # this quorum's, NAME:uuid, read now (the message may come after the next)
+    def __init__(self, *, timeout: timedelta, secret: bytes | None, replica_ids: Callable[[], Sequence[str]],
+                 address: str | None, member_timeout: float, doomed: Callable[[int], str | None] | None,
+                 ) -> None:  # fmt: skip
+        super().__init__(timeout=timeout)
+        self._secret, self._ids, self._seconds = secret, replica_ids, timeout.total_seconds()
+        self._address, self._member_seconds, self._doomed = address, member_timeout, doomed
+        self._rank_in_group: int | None = None  # this rank's in its replica group, once configured
+        self._forming: tuple[str, Callable[[], dict[int, str]]] = ("", dict)
+        self._signed: SignedStore | None = None
+        self._within: Within | None = None  # kept: torch holds only its C++ part
 
-            def names() -> dict[int, str]:
-                return _names(store_addr, world_size, ids, self._seconds)
-
-            try:  # before anything of this group goes there: the store must be a member's
-                check_store_owner(store_addr, ids, secret, self._member_seconds)
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
+        group_rank: int | None = None, group_world_size: int | None = None, global_ranks: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        secret, self._rank_in_group = self._secret, group_rank
+        if world_size > 1:
+            try:  # a store that is gone (its group died) fails at once, not after torch's connect retries
+                _store_answers(store_addr, self._member_seconds)
             except Exception:
                 self.abort(errored=False)
                 raise
+        if secret is None or world_size == 1:
+            super().configure(
+                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+            )
+            return
+        ids = list(self._ids())  # this quorum's, NAME:uuid, read now (the message may come after the next)
 
-            def all_gather(value: torch.Tensor) -> list[torch.Tensor]:
-                gathered = [torch.empty_like(value) for _ in range(world_size)]
-                self.allgather([gathered], [value], options()).wait(timedelta(seconds=self._seconds))
-                return gathered
+        def names() -> dict[int, str]:
+            return _names(store_addr, world_size, ids, self._seconds)
 
-            # Every member's process id (NAME:uuid, a new uuid each time a group's process starts) binds what is signed
-            # to the processes of this quorum: nothing signed before this process started passes here.
-            members = ",".join(sorted(ids))
-            context = f"torchft quorum|{quorum_id}|{store_addr}|{group_rank}/{group_world_size}|{members}"
-            self._forming = (context, names)
-            try:
-                super().configure(  # gloo's addresses go through a SignedStore (_create_pg)
-                    store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
-                )
-                listen = self._signed.addresses if self._signed is not None else {}
-                check_members(all_gather, rank, world_size, context, secret, timeout=self._seconds, names=names,
-                              channel=lambda: Channel(rank, listen) if listen else None)  # fmt: skip
-            except Exception:
-                self.abort(errored=False)  # nothing of the job moves through this group
-                raise  # torchft logs it (once per quorum: a failed step makes the next quorum a new one)
+        try:  # before anything of this group goes there: the store must be a member's
+            check_store_owner(store_addr, ids, secret, self._member_seconds)
+        except Exception:
+            self.abort(errored=False)
+            raise
 
-        def abort(self, errored: bool = True) -> None:
-            old = self._pg  # torchft's: the group of the last quorum
-            super().abort(errored)
-            if old is not None:  # kept, then let go of elsewhere: its end waits for a collective still running
-                REAPER.put((old, time.monotonic() + self._seconds + 5.0))
+        def all_gather(value: torch.Tensor) -> list[torch.Tensor]:
+            gathered = [torch.empty_like(value) for _ in range(world_size)]
+            self.allgather([gathered], [value], private("allgather_options")()).wait(timedelta(seconds=self._seconds))
+            return gathered
 
-        def _wrap_work(self, work: Any, opts: object) -> Any:
-            if self._doomed is None or self._rank_in_group is None:
-                return work
-            doomed, rank = self._doomed, int(self._rank_in_group)
-            try:
-                future = work.get_future()
-            except RuntimeError:  # gloo's send and recv (a recovering group's state) have none: waited as they are
-                return work
-            return Watched(work, future, lambda: doomed(rank))
+        # Every member's process id (NAME:uuid, a new uuid each time a group's process starts) binds what is signed
+        # to the processes of this quorum: nothing signed before this process started passes here.
+        members = ",".join(sorted(ids))
+        context = f"torchft quorum|{quorum_id}|{store_addr}|{group_rank}/{group_world_size}|{members}"
+        self._forming = (context, names)
+        try:
+            super().configure(  # gloo's addresses go through a SignedStore (_create_pg)
+                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+            )
+            listen = self._signed.addresses if self._signed is not None else {}
+            check_members(all_gather, rank, world_size, context, secret, timeout=self._seconds, names=names,
+                          channel=lambda: Channel(rank, listen) if listen else None)  # fmt: skip
+        except Exception:
+            self.abort(errored=False)  # nothing of the job moves through this group
+            raise  # torchft logs it (once per quorum: a failed step makes the next quorum a new one)
 
-        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
-            if self._secret is not None and world_size > 1:
-                context, names = self._forming
+    def abort(self, errored: bool = True) -> None:
+        old = self._pg  # torchft's: the group of the last quorum
+        super().abort(errored)
+        if old is not None:  # kept, then let go of elsewhere: its end waits for a collective still running
+            REAPER.put((old, time.monotonic() + self._seconds + 5.0))
 
-                def name_key(key: str) -> str:
-                    member = int(key.rpartition("/")[2]) if key.rpartition("/")[2].isdigit() else -1
-                    said = names().get(member)
-                    return f"the address of rank {member}" + (f" ({said})" if said else "")
+    def _wrap_work(self, work: Any, opts: object) -> Any:
+        if self._doomed is None or self._rank_in_group is None:
+            return work
+        doomed, rank = self._doomed, int(self._rank_in_group)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's send and recv (a recovering group's state) have none: waited as they are
+            return work
+        return Watched(work, future, lambda: doomed(rank))
 
-                store = SignedStore(store, self._secret, context, name_key)
-                self._signed = store  # torch holds only its C++ part, which cannot call its methods alone
-            if world_size > 1:  # however many members never write their address, the set-up ends in time
-                store = self._within = Within(store, self._member_seconds)
-            with _gloo_on(torchft, self._address, self._member_seconds):
-                return super()._create_pg(store, rank, world_size)
+    def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+        if self._secret is not None and world_size > 1:
+            context, names = self._forming
 
-    return ProvenGloo
+            def name_key(key: str) -> str:
+                member = int(key.rpartition("/")[2]) if key.rpartition("/")[2].isdigit() else -1
+                said = names().get(member)
+                return f"the address of rank {member}" + (f" ({said})" if said else "")
+
+            store = SignedStore(store, self._secret, context, name_key)
+            self._signed = store  # torch holds only its C++ part, which cannot call its methods alone
+        if world_size > 1:  # however many members never write their address, the set-up ends in time
+            store = self._within = Within(store, self._member_seconds)
+        with _gloo_on(torchft_module("torchft.process_group"), self._address, self._member_seconds):
+            return super()._create_pg(store, rank, world_size)
+
+
+@functools.cache
+def _proven_class() -> type[Any]:
+    """torchft's ``ProcessGroupGloo`` with :class:`_Proving` before it: its members proved at every configuration."""
+    return type("ProvenGloo", (_Proving, torchft_module("torchft.process_group").ProcessGroupGloo), {})
 
 
 @contextmanager

@@ -143,13 +143,7 @@ class ReplicaGroup:
         self._judge: QuorumJudge | None = None
         self._store_port = serve_store(local, 0) if self.rank == 0 else None
         assert self.rank != 0 or self._store_port is not None, f"{local} is this machine's own address"
-        store, ended = (local, self._store_port), None
-        if self.rank == 0:
-            ended = QuorumJudge.ended(self._record.read(), step)
-            self._judge = QuorumJudge(self._record, replica_id, start=step, replica_groups=replica_groups,
-                                      quorum_timeout=quorum_timeout)  # fmt: skip
-        if self.ranks > 1:  # the group's store is rank 0's; so is what the record said
-            store, ended = broadcast_object((store, ended) if self.rank == 0 else None, src=0)
+        store, ended = self._meet(local, step, replica_id, replica_groups, quorum_timeout)
         if ended is not None:
             release_store(self._store_port)
             self._record.close()
@@ -181,6 +175,19 @@ class ReplicaGroup:
             release_store(self._store_port)
             self._record.close()
             raise
+
+    def _meet(self, local: str, step: int, replica_id: str, replica_groups: int | None, quorum_timeout: float
+              ) -> tuple[tuple[str, int | None], tuple[int, str] | None]:  # fmt: skip
+        """The group's store (rank 0's, on ``local``) and, when the job's record says it ended, how; rank 0 reads
+        the record (and judges this group's quorums from now on), the others take what it read (every rank)."""
+        store, ended = (local, self._store_port), None
+        if self.rank == 0:
+            ended = QuorumJudge.ended(self._record.read(), step)
+            self._judge = QuorumJudge(self._record, replica_id, start=step, replica_groups=replica_groups,
+                                      quorum_timeout=quorum_timeout)  # fmt: skip
+        if self.ranks > 1:  # the group's store is rank 0's; so is what the record said
+            store, ended = broadcast_object((store, ended) if self.rank == 0 else None, src=0)
+        return store, ended
 
     def _doomed(self, rank: int) -> str | None:
         """Why the quorum's collective in which rank ``rank`` of this group waits cannot complete, if it cannot: a

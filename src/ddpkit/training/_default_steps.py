@@ -16,17 +16,19 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
+from ddpkit.batches import move_data_to_device
 from ddpkit.process_group import get_rank
 
 __all__ = [
     "IGNORE_INDEX",
     "DefaultSteps",
     "MetricSet",
+    "StepMethods",
     "language_model_metrics",
     "language_model_rows",
     "returned_loss",
@@ -260,3 +262,51 @@ def _describe(value: Any) -> str:
         parts = ", ".join(_describe(part) for part in value[:4]) + (", ..." if len(value) > 4 else "")
         return f"a {type(value).__name__} of {len(value)} ({parts})"
     return f"a {type(value).__name__}"
+
+
+class StepMethods:
+    """``TrainLoop``'s steps to override (its base): each batch's device, loss and prediction, and the split's
+    metrics, by default :class:`DefaultSteps`'."""
+
+    if TYPE_CHECKING:  # the loop's (not documented here: the loop documents them)
+        device: torch.device
+        criterion: nn.Module
+        default_steps: DefaultSteps
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """Move a batch to ``device`` (nested tensors; see :func:`~ddpkit.move_data_to_device`)."""
+        return move_data_to_device(batch, self.device)
+
+    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss of one batch (a scalar tensor); ``model`` is the DDP-wrapped model.
+
+        Default: the model's own loss when its output has one (``output.loss``,
+        transformers' ``ModelOutput``), else ``criterion(prediction, targets)``
+        (the prediction: the output, or its ``logits``); the model is called as
+        ``model(inputs)`` for a batch ``(inputs, targets)``, ``model(**batch)``
+        for a mapping (the targets under ``"labels"``).
+
+        Raises:
+            TypeError: a batch of another form, or an output with neither a loss nor a prediction: override
+                this method.
+        """
+        return self.default_steps.loss(model, batch, self.criterion)
+
+    def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(predictions, targets)`` of one batch, one row per sample: every row is gathered on every rank, so
+        keep rows small (reduce per-token results per sample here).
+
+        Default: ``(prediction, targets)`` of the batch as :meth:`training_step`
+        calls the model; with ``metrics="lm"`` (the default for per-token
+        scores), each sequence's ``(summed negative log-likelihood, tokens,
+        correct tokens)`` instead of its logits.
+        """
+        return self.default_steps.predict(model, batch)
+
+    def compute_metrics(self, predictions: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        """Metrics from the predictions and targets of a whole split, in order (the same on every rank).
+
+        Default: ``loss`` (the criterion), and ``accuracy`` for class scores ``(N, C)``
+        with integer targets ``(N,)``; with ``metrics="lm"``, ``loss``, ``perplexity`` and ``token_accuracy``.
+        """
+        return self.default_steps.compute(predictions, targets, self.criterion)

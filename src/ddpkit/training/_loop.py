@@ -1,12 +1,10 @@
 """``TrainLoop``: single-process training that becomes DDP by changing one call (after aitoolbox's ``TrainLoop``).
 
-``fit`` trains in this process (as DDP when a process group exists);
-``fit_distributed`` launches ``num_processes`` workers that each run ``fit``.
-The same code path serves both: loaders are sharded by :class:`~ddpkit.DDPHandler`
-(over one rank when alone), so the data order is the same either way, and W
-ranks with batch B step through exactly the batches of one process with batch
-W x B. Validation metrics are computed on every sample exactly once
-(:func:`~ddpkit.gather_in_order`), so they equal the single-process numbers.
+``fit`` trains in this process (as DDP when a process group exists); ``fit_distributed`` (``_new_processes``)
+launches ``num_processes`` workers that each run ``fit``. The same code path serves both: loaders are sharded by
+:class:`~ddpkit.DDPHandler` (over one rank when alone), so the data order is the same either way, and W ranks with
+batch B step through exactly the batches of one process with batch W x B. Validation metrics are computed on every
+sample exactly once (:func:`~ddpkit.gather_in_order`), so they equal the single-process numbers.
 """
 
 from __future__ import annotations
@@ -20,20 +18,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddpkit.batches import move_data_to_device
 from ddpkit.callbacks import Callback, CallbacksHandler
 from ddpkit.ddp_handler import DDPHandler
 from ddpkit.ddp_plugin import DDPPlugin
 from ddpkit.fault_tolerance import TorchFT, torchft_settings
-from ddpkit.jobs.launch import StartMethod
 from ddpkit.parallel_plugin import ParallelPlugin
 from ddpkit.plotting import plot_history
 from ddpkit.process_group import ensure_dist_connection, rank_device
 from ddpkit.training._ddp_steps import DDPSteps
-from ddpkit.training._default_steps import DefaultSteps, MetricSet
+from ddpkit.training._default_steps import DefaultSteps, MetricSet, StepMethods
 from ddpkit.training._driver import Budget, StepDriver
 from ddpkit.training._fault_tolerant import FaultTolerantSteps
-from ddpkit.training._new_processes import fit_elsewhere
+from ddpkit.training._new_processes import RunsElsewhere
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Interval, Precision, Recipe, Scheduler, SchedulerFactory
 from ddpkit.training._run import TrainingRun
@@ -45,7 +41,7 @@ __all__ = ["TrainLoop"]
 log = logging.getLogger(__name__)
 
 
-class TrainLoop:
+class TrainLoop(StepMethods, RunsElsewhere):
     """Train, validate and test a model, in one process or as DDP (the ``TrainLoop`` of aitoolbox's ``DDPHandler``).
 
     Args:
@@ -304,46 +300,6 @@ class TrainLoop:
         self.__dict__.update(state)
         self._run = TrainingRun(self)
 
-    # --- the steps to override --------------------------------------------------------------------
-
-    def batch_to_device(self, batch: Any) -> Any:
-        """Move a batch to ``device`` (nested tensors; see :func:`~ddpkit.move_data_to_device`)."""
-        return move_data_to_device(batch, self.device)
-
-    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """The loss of one batch (a scalar tensor); ``model`` is the DDP-wrapped model.
-
-        Default: the model's own loss when its output has one (``output.loss``,
-        transformers' ``ModelOutput``), else ``criterion(prediction, targets)``
-        (the prediction: the output, or its ``logits``); the model is called as
-        ``model(inputs)`` for a batch ``(inputs, targets)``, ``model(**batch)``
-        for a mapping (the targets under ``"labels"``).
-
-        Raises:
-            TypeError: a batch of another form, or an output with neither a loss nor a prediction: override
-                this method.
-        """
-        return self.default_steps.loss(model, batch, self.criterion)
-
-    def predict_step(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(predictions, targets)`` of one batch, one row per sample: every row is gathered on every rank, so
-        keep rows small (reduce per-token results per sample here).
-
-        Default: ``(prediction, targets)`` of the batch as :meth:`training_step`
-        calls the model; with ``metrics="lm"`` (the default for per-token
-        scores), each sequence's ``(summed negative log-likelihood, tokens,
-        correct tokens)`` instead of its logits.
-        """
-        return self.default_steps.predict(model, batch)
-
-    def compute_metrics(self, predictions: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-        """Metrics from the predictions and targets of a whole split, in order (the same on every rank).
-
-        Default: ``loss`` (the criterion), and ``accuracy`` for class scores ``(N, C)``
-        with integer targets ``(N,)``; with ``metrics="lm"``, ``loss``, ``perplexity`` and ``token_accuracy``.
-        """
-        return self.default_steps.compute(predictions, targets, self.criterion)
-
     # --- training ----------------------------------------------------------------------------------
 
     def fit(
@@ -406,80 +362,6 @@ class TrainLoop:
         )
         self._run.resume(budget)
         return self._run.run_epochs(driver, budget)
-
-    def fit_distributed(
-        self,
-        num_epochs: int | None = None,
-        num_processes: int = 2,
-        grad_accumulation: int = 1,
-        callbacks: list[Callback] | None = None,
-        *,
-        max_steps: int | None = None,
-        backend: str | None = None,
-        max_restarts: int = 0,
-        timeout: float | None = None,
-        nnodes: int | str = 1,
-        rdzv_endpoint: str | None = None,
-        rdzv_conf: dict[str, Any] | str | None = None,
-        start_method: StartMethod = "spawn",
-    ) -> dict[str, list[float]]:
-        """Run :meth:`fit` on ``num_processes`` new processes (through :func:`~ddpkit.launch`).
-
-        The train loop (model, loaders, optimizer, callbacks) is pickled to every
-        worker, and every worker starts from this process's random state (torch,
-        numpy, Python): the run is reproducible. Afterwards this process's
-        ``model`` holds the trained weights and :attr:`history` rank 0's
-        history. With ``max_restarts`` and a ``checkpoint_dir``, restarted workers
-        resume from the last checkpoint (bit-identical to an uninterrupted run).
-        Call it under ``if __name__ == "__main__":``. Under a scheduler that
-        already started the job's processes (``srun``, ``mpirun``, torchrun)
-        nothing is spawned: this process trains as one of its ranks and
-        ``num_processes`` is ignored.
-
-        Args:
-            num_epochs, grad_accumulation, callbacks, max_steps: as for :meth:`fit`.
-            num_processes: worker processes (default 2).
-            backend: the process-group backend (default: NCCL on GPUs, else gloo).
-            max_restarts: restarts of all workers after a failure or a hang.
-            timeout: seconds a rank may wait in one collective before the job
-                counts as hung (default 300; ``0``: never), as in :func:`~ddpkit.launch`.
-            nnodes, rdzv_endpoint, rdzv_conf: as for :func:`~ddpkit.launch`: call
-                it on every node; ``nnodes="MIN:MAX"`` is an elastic job (use a
-                ``checkpoint_dir``, ``max_restarts`` for nodes lost, and
-                ``global_batch_size`` to keep the steps as the world size changes).
-            start_method: as for :func:`~ddpkit.launch` (default ``"spawn"``);
-                ``"forkserver"`` also imports ``torch._dynamo`` (which DDP's
-                constructor imports) once in the server: workers reach their
-                first step about 2 s sooner here.
-
-        With ``fault_tolerance``, the ``num_processes`` processes are replica groups (``group-0``, ...), each
-        under an elastic agent of its own that starts it again up to ``max_restarts`` times when it dies while
-        the others go on, with a lighthouse in this process on loopback (unless the settings name one); this
-        process then holds the weights and run state of the first group that finished. With ``nnodes=N`` and
-        ``rdzv_endpoint="HOST:PORT"``, called on every node, each node is one replica group of
-        ``num_processes`` ranks (``ddpkit run --fault-tolerance --nnodes N``: the lighthouse at the endpoint,
-        served by the node whose address ``HOST`` is; the job secret required), and this process holds its
-        group's weights and run state. There ``timeout`` is the settings' ``timeout`` (seconds a step's
-        collectives may take before the step fails in every group), ``backend`` can only be ``"gloo"`` and
-        ``start_method`` only ``"spawn"``.
-
-        Raises:
-            ValueError: a budget :meth:`fit` refuses (before any process starts); with ``fault_tolerance``:
-                ``grad_accumulation`` or ``rdzv_conf`` given, ``nnodes`` other
-                than a whole number, ``nnodes`` above 1 without ``rdzv_endpoint`` (or an endpoint with one node),
-                another ``backend`` or ``start_method``, ``timeout=0``, a scheduler started this process, or no
-                job secret on several nodes (the message names each).
-            HangError: the job hung (after ``max_restarts`` restarts).
-            WorkerFailedError: a worker failed (after ``max_restarts`` restarts).
-        """
-        weights, self.state = fit_elsewhere(
-            self, Budget(num_epochs, max_steps), num_processes, grad_accumulation, callbacks, backend=backend,
-            max_restarts=max_restarts,
-            timeout=timeout, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, start_method=start_method,
-        )  # fmt: skip
-        if weights is not None:  # this node ran rank 0 (or a replica group finished)
-            self.model.load_state_dict(weights)
-        return dict(self.state.history)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's whole weights on the CPU, ``state_dict()``'s names (for export or a one-process copy).
