@@ -275,3 +275,28 @@ def test_no_module_over_400_lines_and_no_function_over_60_lines() -> None:
                     long_functions.append(f"{module}.{node.name} (line {node.lineno})")
     assert long_modules == []
     assert long_functions == []
+
+
+def test_a_commit_says_what_happened_and_the_runner_names_no_driver_or_plugin() -> None:
+    """Every step's ``commit`` returns a ``CommittedStep`` or a ``NotCommitted`` (again, or deferred), never
+    ``None`` (which once meant "again" for one driver and "deferred" for the other); and the epoch runner
+    (training/_run.py and its checkpoints) never names a driver or a plugin class: it asks them."""
+    from ddpkit.training._driver import NotCommitted
+
+    assert {member.name for member in NotCommitted} == {"AGAIN", "DEFERRED"}
+    silent = []
+    for path in sorted((PACKAGE / "training").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "commit":
+                assert node.returns is not None, (path.name, node.lineno)
+                assert "None" not in ast.unparse(node.returns), (path.name, node.lineno)
+                returns = [r for r in ast.walk(node) if isinstance(r, ast.Return)]
+                silent += [
+                    f"{path.name}:{r.lineno}" for r in returns if r.value is None or ast.unparse(r.value) == "None"
+                ]
+    assert silent == []
+    names = {"DDPSteps", "FaultTolerantSteps", "DDPPlugin", "FSDPPlugin", "TorchFT", "ReplicaGroup"}
+    for name in ("_run.py", "_run_checkpoints.py"):
+        used = {node.id for node in ast.walk(ast.parse((PACKAGE / "training" / name).read_text()))
+                if isinstance(node, ast.Name)}  # fmt: skip
+        assert sorted(used & names) == [], name

@@ -14,7 +14,7 @@ import torch
 from ddpkit.checkpoint import rng_state
 from ddpkit.collectives import all_gather_object, mp_sync, sync_ddp
 from ddpkit.process_group import get_rank, is_distributed
-from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, peak_memory
+from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, NotCommitted, Step, peak_memory
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._steps import StepPlan, average_gradients
 
@@ -115,11 +115,11 @@ class _ShardStep(Step):
                 return
             numbered = following
 
-    def commit(self) -> CommittedStep | None:
-        """DDP averaged the gradients in the last batch's backward; the ranks agree on SLURM's signals. ``None``
+    def commit(self) -> CommittedStep | NotCommitted:
+        """DDP averaged the gradients in the last batch's backward; the ranks agree on SLURM's signals. Deferred
         for the rank's last batches when a final step finishes them (:class:`_FinalStep`)."""
         if not self.position:
-            return None
+            return NotCommitted.DEFERRED
         return CommittedStep(self.position, self.counted, self.run.loop.preemption.agreed_signal())
 
 

@@ -11,11 +11,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Batch", "Budget", "CommittedStep", "EpochTotals", "LossSums", "Step", "StepDriver", "peak_memory"]
+__all__ = [
+    "Batch",
+    "Budget",
+    "CommittedStep",
+    "EpochTotals",
+    "LossSums",
+    "NotCommitted",
+    "Step",
+    "StepDriver",
+    "peak_memory",
+]
 
 
 class _Where(Protocol):
@@ -166,11 +177,22 @@ class Step:
         """The step's batches on this rank."""
         raise NotImplementedError
 
-    def commit(self) -> CommittedStep | None:
-        """After its batches: the step with its gradients reduced, or ``None`` when it was not committed (the
-        driver does it again). It may put the run where another process was (a fault-tolerant group that took
+    def commit(self) -> CommittedStep | NotCommitted:
+        """After its batches: the step with its gradients reduced, or why there is no optimizer step now
+        (:class:`NotCommitted`). It may put the run where another process was (a fault-tolerant group that took
         a peer's state): the runner then begins that epoch."""
         raise NotImplementedError
+
+
+class NotCommitted(Enum):
+    """Why a step's :meth:`~Step.commit` gave no optimizer step (the runner takes none, and goes on)."""
+
+    #: The step was not committed (a quorum that failed, or the job's first, which trains nothing): the driver
+    #: deals it again, to the next quorum.
+    AGAIN = "again"
+    #: Nothing to commit yet: the rank's last batches of a global batch, whose gradients the step that follows
+    #: (the global batch's final, smaller step) averages and commits with its own.
+    DEFERRED = "deferred"
 
 
 @dataclass

@@ -38,7 +38,7 @@ from ddpkit.fault_tolerance._quorums import JobEnded, group_name
 from ddpkit.process_group import get_rank, get_world_size
 from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
 from ddpkit.training._ahead import ShareLoader, shares
-from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, Step, peak_memory
+from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, NotCommitted, Step, peak_memory
 from ddpkit.training._replica_checks import numeric_buffers, weight_norms
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import TrainState
@@ -230,7 +230,7 @@ class FaultTolerantSteps:
             seed = epoch_seed(self.loop.seed, epoch, low + worker + workers * number * self.batch_size)
             yield Batch(data, len(chunk) * workers / len(step), seed=seed, index=low // self.size)
 
-    def commit(self, group: ReplicaGroup, step: _QuorumStep) -> CommittedStep | None:
+    def commit(self, group: ReplicaGroup, step: _QuorumStep) -> CommittedStep | NotCommitted:
         """Average ``step``'s gradients over the quorum's participants with what rides with them, and commit;
         ``None`` when it was not (the next quorum does it again)."""
         loop, state, model = self.loop, self.loop.state, self.loop.model
@@ -276,7 +276,7 @@ class FaultTolerantSteps:
                 self.settings.replica_id, state.global_step + 1, ", ".join(self._members),
                 f": {group.failure}" if group.failure else "",
             )  # fmt: skip
-            return None
+            return NotCommitted.AGAIN
         # Every group takes the participants' mean of the buffers, as DDP makes every rank's the same.
         with torch.no_grad():
             for buffer, mean in zip(buffers, torch.split(mean_buffers, [b.numel() for b in buffers]), strict=True):
@@ -369,10 +369,10 @@ class _QuorumStep(Step):
             yield from driver.share(items, epoch, low, *self.deal)
         driver.last_deal = self.deal
 
-    def commit(self) -> CommittedStep | None:
+    def commit(self) -> CommittedStep | NotCommitted:
         if self.first:
             self._synchronise()
-            return None
+            return NotCommitted.AGAIN
         return self.driver.commit(self.group, self)
 
     def _synchronise(self) -> None:

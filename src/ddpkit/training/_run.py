@@ -186,7 +186,7 @@ class TrainingRun(RunCheckpoints):
                         bar.close()
                     epoch, start, bar = state.epoch, 0, None
                     loop.callbacks_handler.execute("on_epoch_begin")
-                if committed is not None:  # else not committed: the driver does it again
+                if isinstance(committed, CommittedStep):  # else NotCommitted: again, or deferred to the next step
                     self._take_step(committed, driver)
                     bar = self._progress(bar, driver, start, committed.position)
                 previous = time.perf_counter()
