@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader
 
 from ddpkit.callbacks import CallbacksHandler
 from ddpkit.ddp_handler import DDPHandler
-from ddpkit.fault_tolerance import TorchFT
 from ddpkit.parallel_plugin import ParallelPlugin
 from ddpkit.training._preemption import PreemptionHandler
 from ddpkit.training._recipe import Recipe
@@ -47,7 +46,6 @@ class Trains(Protocol):
     ddp_model: nn.Module | None
     step_times: list[float]
     recipe: Recipe
-    fault_tolerance: TorchFT | None
     tokens_fn: Callable[[Any], int | torch.Tensor] | None
 
     def batch_to_device(self, batch: Any) -> Any: ...
