@@ -55,6 +55,8 @@ CHECKPOINT_FILE = "last.pt"
 _TEMPORARY_SUFFIX = ".tmp"
 #: How a sharded checkpoint's directory name ends.
 SHARDED_SUFFIX = ".dcp"
+#: How the name of a sharded checkpoint that ``TrainLoop`` writes begins (:func:`sharded_name`).
+_SHARDED_PREFIX = "last-"
 #: Seconds after which a temporary file nobody changed counts as a killed writer's (removed by the next write).
 STALE_AFTER_S = 600.0
 
@@ -230,13 +232,20 @@ def _alone(distributed: bool) -> Iterator[None]:
         yield
 
 
+def sharded_name(epoch: int, step: int, position: int) -> str:
+    """The directory name of ``TrainLoop``'s sharded checkpoint after ``step`` optimizer steps, ``position``
+    entries into epoch ``epoch`` (``last-e1-s30-p960.dcp``): one name per point of the run, so that a checkpoint
+    file only ever names a complete one (:func:`remove_unnamed_sharded` removes the others)."""
+    return f"{_SHARDED_PREFIX}e{epoch}-s{step}-p{position}{SHARDED_SUFFIX}"
+
+
 def remove_unnamed_sharded(directory: str | os.PathLike[str], keep: str | None) -> None:
     """Remove the sharded checkpoints in ``directory`` other than ``keep`` (the one the checkpoint file names),
     and unfinished ones (from one process, after the file that names ``keep`` is in place). Only ``TrainLoop``'s
-    (``last-*.dcp``) are touched."""
-    for path in Path(directory).iterdir():  # TrainLoop's names only: last-....dcp (a user's own files stay)
-        finished = path.name.startswith("last-") and path.name.endswith(SHARDED_SUFFIX) and path.name != keep
-        unfinished = path.name.startswith(".last-") and path.name.endswith(
+    (:func:`sharded_name`'s) are touched."""
+    for path in Path(directory).iterdir():  # TrainLoop's names only (a user's own files stay)
+        finished = path.name.startswith(_SHARDED_PREFIX) and path.name.endswith(SHARDED_SUFFIX) and path.name != keep
+        unfinished = path.name.startswith(f".{_SHARDED_PREFIX}") and path.name.endswith(
             (SHARDED_SUFFIX + _TEMPORARY_SUFFIX, SHARDED_SUFFIX + ".old")
         )
         if (finished or unfinished) and path.is_dir():

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ddpkit.checkpoint import CHECKPOINT_FILE, SHARDED_SUFFIX
+from ddpkit.checkpoint import CHECKPOINT_FILE, sharded_name
 from ddpkit.process_group import collective_device, get_rank, get_world_size, is_distributed
 from ddpkit.training._async_save import AsyncWrites
 from ddpkit.training._driver import Budget, StepDriver
@@ -59,7 +59,7 @@ class RunCheckpoints:
         loop, driver = self.loop, driver if driver is not None else self._driver
         assert driver is not None, "capture() while it trains, or with its driver"
         rngs, sums = driver.gathered(position)
-        name = f"last-e{loop.state.epoch}-s{loop.state.global_step}-p{position}{SHARDED_SUFFIX}"
+        name = sharded_name(loop.state.epoch, loop.state.global_step, position)
         weights, optimizer, sharded = loop.plugin.checkpoint_state(
             loop.model, loop.optimizer, directory if directory is not None else Path("."), name,
             asynchronous=asynchronous,
