@@ -100,6 +100,8 @@ RELAY = "127.0.0.2"
 RELAY_PORT = 7777
 #: Seconds each stranger of mode ``ft`` takes part.
 ATTACK_S = 8.0
+#: Seconds an aborted quorum group is held after its abort (ft_trainloop's TorchFT timeout 5 s + 5), and a margin.
+GROUP_HELD_S = 11.0
 
 
 def main(mode: str, out: Path) -> None:
@@ -264,12 +266,17 @@ def fault_tolerant(out: Path) -> None:
                 time.sleep(0.2)
             lighthouse = re.findall(r"lighthouse at (http://\S+)", log.read_text())[0]
             before = set(listening_sockets(descendants(job.pid)))
+            phase = time.monotonic()
             result["store"] = _speak_for_group_0(lighthouse, groups)
             # The servers (stores, lighthouse, managers) are left alone: the ports that listened before and after the
             # store's stranger, whose quorums made the groups' gloo groups anew (a port of an earlier gloo group,
             # closed since, may be a new gloo group's: a rule for it would let that group's connections pass by).
-            # The relay takes the new connections of the next quorums' gloo groups, to their new listening ports.
+            # The group aborted at the phase's first quorum is held (and listens) for the quorum's timeout + 5 s
+            # (fault_tolerance/_waits.REAPER) after it: "after" is read once it has let go, so that its port, free
+            # again later, is no rule's. The relay takes the new connections of the next quorums' gloo groups.
+            time.sleep(max(0.0, phase + GROUP_HELD_S - time.monotonic()))
             servers = before & set(listening_sockets(descendants(job.pid)))
+            result["servers"] = sorted(port for _, port in servers)
             rules = [["OUTPUT", "-p", "tcp", "-d", "127.0.0.1", "--dport", str(port), "-j", "RETURN"]
                      for _, port in sorted(servers)]  # fmt: skip
             rules.append(["OUTPUT", "-p", "tcp", "-s", "127.0.0.1", "-d", "127.0.0.1", "-j", "DNAT",
