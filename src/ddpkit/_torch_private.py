@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -258,7 +260,7 @@ def group_timeout(group: Any, device: torch.device) -> timedelta | None:
     """``group``'s timeout on ``device``'s backend (``None`` where the backend does not say)."""
     try:
         found = group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
+    except Exception:  # another backend, or another torch
         return None
     return found if isinstance(found, timedelta) else None
 
@@ -274,7 +276,10 @@ def gloo_on_device(store: Any, rank: int, size: int, address: str | None, timeou
 
 
 def inner_of_compiled(model: Any) -> Any:
-    """The module inside what ``torch.compile`` returned, else ``None``."""
+    """The module inside what ``torch.compile`` returned, else ``None`` (without importing torch's compiler: a
+    process that never compiled has no such module)."""
+    if not hasattr(model, "_orig_mod") or "torch._dynamo" not in sys.modules:
+        return None
     try:
         optimized = private("optimized_module")
     except ImportError:

@@ -40,13 +40,10 @@ class DDPPlugin(ParallelPlugin):
     :meth:`configure_ddp` for a custom wrapper.
 
     Args:
-        activation_checkpointing_policy: which submodules keep only their inputs
-            in the forward and compute their activations again in the backward
-            (Lightning's argument of that name): a set of module classes (e.g.
-            ``{TransformerBlock}``), a callable ``module -> bool``, or torch's
-            auto-wrap policy ``(module, recurse, nonwrapped_numel) -> bool``;
-            each is wrapped in torch's non-reentrant ``checkpoint_wrapper``
-            (see :meth:`apply_activation_checkpointing`). Default ``None``: none.
+        activation_checkpointing_policy: which submodules compute their
+            activations again in the backward instead of keeping them
+            (Lightning's argument of that name), as for :class:`~ddpkit.ParallelPlugin`.
+            Default ``None``: none.
         kwargs: ``DistributedDataParallel``'s.
 
     Raises:
