@@ -272,7 +272,7 @@ def fault_tolerant(out: Path) -> None:
             # store's stranger, whose quorums made the groups' gloo groups anew (a port of an earlier gloo group,
             # closed since, may be a new gloo group's: a rule for it would let that group's connections pass by).
             # The group aborted at the phase's first quorum is held (and listens) for the quorum's timeout + 5 s
-            # (fault_tolerance/_waits.REAPER) after it: "after" is read once it has let go, so that its port, free
+            # (fault_tolerance/_waits.reap) after it: "after" is read once it has let go, so that its port, free
             # again later, is no rule's. The relay takes the new connections of the next quorums' gloo groups.
             time.sleep(max(0.0, phase + GROUP_HELD_S - time.monotonic()))
             servers = before & set(listening_sockets(descendants(job.pid)))
@@ -284,14 +284,18 @@ def fault_tolerant(out: Path) -> None:
             for rule in rules:
                 subprocess.run(["iptables", "-t", "nat", "-A", *rule], check=True)
             started = time.time()
-            _speak_for_group_0(lighthouse, groups, 1.0)  # a quorum that changes: the groups' gloo group is made anew
-            time.sleep(max(0.0, started + ATTACK_S - time.time()))
+            # A quorum that changes: the groups' gloo group is made anew, its connections through the relay.
+            _speak_for_group_0(lighthouse, groups, 1.0, wait=False)
+            released = _relay_for(ATTACK_S, started, relayed, servers, job.pid)
             # The relay is on until its rule goes: the time before that rule's removal begins is when it ended (the
             # kernel drops the rule before iptables returns, 0.3 s later on a loaded machine, so a step may commit
             # without the relay before a time taken after the removal).
             ended = time.time()
             for rule in reversed(rules):  # the relay's rule first
-                subprocess.run(["iptables", "-t", "nat", "-D", *rule], check=True)
+                subprocess.run(["iptables", "-t", "nat", "-D", *rule], check=False)  # gone already if released
+            for _, holder in released:
+                holder.close()
+            result["released"] = [port for port, _ in released]
             # From the first connection through the relay (a quorum's new gloo group) until it stops, no step of
             # both groups may commit (one second for a step that was committing as the quorum changed). A group
             # that the lighthouse left alone in a quorum (the other's heartbeats late on a loaded machine) commits
@@ -310,6 +314,35 @@ def fault_tolerant(out: Path) -> None:
     (out / "result.json").write_text(json.dumps(result))
 
 
+def _relay_for(
+    seconds: float, started: float, relayed: list[str], servers: set[tuple[str, int]], job: int
+) -> list[tuple[int, socket.socket]]:
+    """Keep the relay on until ``seconds`` after both ``started`` and its first connection (45 s at most).
+
+    A server's port that stops listening meanwhile was no server's (an aborted gloo group that the reaper still
+    held): the test binds that port itself, so that no later gloo group of the job gets it, and only then drops
+    its RETURN rule. Returns those ports with the sockets that hold them (the caller closes them)."""
+    from tests.helpers import descendants, listening_sockets
+
+    released: list[tuple[int, socket.socket]] = []
+    ruled = {port for _, port in servers}
+    while True:
+        now = time.time()
+        first = min((float(e.rpartition(" at ")[2]) for e in relayed if " at " in e), default=now)
+        if now >= max(started, first) + seconds or now >= started + 45:
+            return released
+        listening = {port for _, port in listening_sockets(descendants(job))}
+        for port in sorted(ruled - listening):
+            holder = socket.socket()
+            with contextlib.suppress(OSError):  # taken at once by another socket of the job: the rule stays
+                holder.bind(("127.0.0.1", port))
+                ruled.discard(port)
+                released.append((port, holder))
+                rule = ["OUTPUT", "-p", "tcp", "-d", "127.0.0.1", "--dport", str(port), "-j", "RETURN"]
+                subprocess.run(["iptables", "-t", "nat", "-D", *rule], check=True)
+        time.sleep(0.05)
+
+
 def _went_on(groups: list[Path], since: float) -> float | None:
     """Seconds after ``since`` until both groups committed a step again (``None``: not within 60 s)."""
     from tests.e2e.ft_trainloop import steps
@@ -323,8 +356,11 @@ def _went_on(groups: list[Path], since: float) -> float | None:
     return None
 
 
-def _speak_for_group_0(lighthouse: str, groups: list[Path], seconds: float = ATTACK_S) -> dict[str, Any]:
-    """Ask the lighthouse for quorums in group-0's name, with a store of the stranger's own, for ``seconds``."""
+def _speak_for_group_0(
+    lighthouse: str, groups: list[Path], seconds: float = ATTACK_S, *, wait: bool = True
+) -> dict[str, Any]:
+    """Ask the lighthouse for quorums in group-0's name, with a store of the stranger's own, for ``seconds``; with
+    ``wait``, then wait until both groups committed again (``went_on``)."""
     import urllib.request
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -346,7 +382,7 @@ def _speak_for_group_0(lighthouse: str, groups: list[Path], seconds: float = ATT
             errors.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     ended = time.time()
     return {"member": member, "asked": asked, "errors": errors[-3:], "keys": store.list_keys(),
-            "went_on": _went_on(groups, ended)}  # fmt: skip
+            "went_on": _went_on(groups, ended) if wait else None}  # fmt: skip
 
 
 _TASK = """

@@ -22,9 +22,11 @@ Every sample carries its index, so the test can count what each rank saw.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,10 +177,10 @@ def run_case(entry: str, data: str, out_dir: str, context: str | None = None) ->
     writes = 0
     save = checkpoint_module.save_checkpoint
 
-    def counted(*args: Any, **kwargs: Any) -> None:
+    def counted(*args: Any, **kwargs: Any) -> bool:
         nonlocal writes
         writes += 1
-        save(*args, **kwargs)
+        return save(*args, **kwargs)
 
     printed = io.StringIO()
     with (
@@ -246,7 +248,11 @@ def _spawned(rank: int, world_size: int, init_method: str, out_dir: str) -> None
 
 
 def main() -> None:
-    """``OUT_DIR FIRST_ENTRY`` under a launcher; ``OUT_DIR spawn-tcp`` or ``OUT_DIR launch`` starts 2 processes."""
+    """``OUT_DIR FIRST_ENTRY`` under a launcher; ``OUT_DIR spawn-tcp`` or ``OUT_DIR launch`` starts 2 processes.
+
+    SIGUSR1 prints every thread's stack to stderr, in this process and in every process forked from it (the
+    DataLoader workers): the test sends it to a job that did not end in time."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     out_dir, way = sys.argv[1], sys.argv[2]
     if way == "spawn-tcp":
         port = ddpkit.environments.find_free_port()

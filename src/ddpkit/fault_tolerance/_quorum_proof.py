@@ -31,7 +31,7 @@ from ddpkit._trust.group_store import SignedStore, member_address
 from ddpkit._trust.secret import DIGEST_BYTES, GUIDE, secret_source, tag
 from ddpkit.errors import GroupProofError
 from ddpkit.fault_tolerance._torchft import torchft_module
-from ddpkit.fault_tolerance._waits import REAPER, Watched, Within
+from ddpkit.fault_tolerance._waits import Watched, Within, reap
 
 __all__ = ["OWNER_KEY", "check_store_owner", "claim_store", "proven_gloo"]
 
@@ -145,7 +145,7 @@ class _Proving(_TorchftGloo):  # type: ignore[misc]
         old = self._pg  # torchft's: the group of the last quorum
         super().abort(errored)
         if old is not None:  # kept, then let go of elsewhere: its end waits for a collective still running
-            REAPER.put((old, time.monotonic() + self._seconds + 5.0))
+            reap(old, time.monotonic() + self._seconds + 5.0)
 
     def _wrap_work(self, work: Any, opts: object) -> Any:
         if self._doomed is None or self._rank_in_group is None:

@@ -1,6 +1,6 @@
 """How the quorums' process group waits, bounded: its set-up for its members (:class:`Within`), each collective for
 a member that stopped (:class:`Watched`), and the end of a group aborted while a collective still runs in it
-(:data:`REAPER`)."""
+(:func:`reap`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from ddpkit._stores import ForwardingStore
 
-__all__ = ["REAPER", "WATCH_AFTER_S", "Watched", "Within"]
+__all__ = ["WATCH_AFTER_S", "Watched", "Within", "reap"]
 
 
 class Within(ForwardingStore):
@@ -46,9 +46,20 @@ def _reap(groups: queue.SimpleQueue[tuple[Any, float]]) -> None:
         del group
 
 
-#: The quorums' groups that were aborted, let go of in a thread of their own (see :func:`_reap`).
-REAPER: queue.SimpleQueue[tuple[Any, float]] = queue.SimpleQueue()
-threading.Thread(target=_reap, args=(REAPER,), name="ddpkit-quorum-group-reaper", daemon=True).start()
+_REAPED: queue.SimpleQueue[tuple[Any, float]] = queue.SimpleQueue()
+_reaper_lock = threading.Lock()
+_reaper: threading.Thread | None = None
+
+
+def reap(group: Any, until: float) -> None:
+    """Let go of an aborted quorum group at ``until`` (``time.monotonic()`` seconds) in a thread of its own (see
+    :func:`_reap`), started with the first such group: a process that never aborts one runs no such thread."""
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, args=(_REAPED,), name="ddpkit-quorum-group-reaper", daemon=True)
+            _reaper.start()
+    _REAPED.put((group, until))
 
 
 class Watched(torch.distributed.Work):
