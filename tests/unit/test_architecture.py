@@ -300,3 +300,28 @@ def test_a_commit_says_what_happened_and_the_runner_names_no_driver_or_plugin() 
         used = {node.id for node in ast.walk(ast.parse((PACKAGE / "training" / name).read_text()))
                 if isinstance(node, ast.Name)}  # fmt: skip
         assert sorted(used & names) == [], name
+
+
+def test_both_drivers_deal_by_one_rule_and_count_the_epoch_in_one_accumulator() -> None:
+    """A step's deal, a batch's seed and its loss's divisor are written once (training/_deal.py) and both drivers
+    use them: no other training module hashes a seed (``epoch_seed``), slices a step by worker or divides by a
+    step's items itself; and the epoch's loss sums are ``RunState``'s alone (no driver keeps sums of its own)."""
+    training = PACKAGE / "training"
+    users: dict[str, set[str]] = {}
+    for path in sorted(training.glob("*.py")):
+        if path.name == "_deal.py":
+            continue
+        tree = ast.parse(path.read_text())
+        called = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+        assert "epoch_seed" not in called, f"{path.name} seeds batches itself: use _deal.batch_seed"
+        steps = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Subscript) and "::" in ast.unparse(n)]
+        assert steps == [], f"{path.name} deals a step itself: use _deal.shares ({steps})"
+        attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        own = {a for a in attributes if re.fullmatch(r"_\w*_(sums|tokens)", a)}  # RunState's are its own
+        assert path.name == "_state.py" or not own, f"{path.name} keeps loss sums of its own: {own}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "ddpkit.training._deal":
+                users[path.name] = {alias.name for alias in node.names}
+    assert {"batch_seed", "step_divisor"} <= users.get("_steps.py", set()), users
+    assert {"batch_seed", "step_divisor", "shares"} <= users.get("_fault_tolerant.py", set()), users
+    assert "shares" in users.get("_ahead.py", set()), users

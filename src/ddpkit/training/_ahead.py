@@ -21,14 +21,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddpkit.loaders import extract_loader_parameters
+from ddpkit.training._deal import shares
 
-__all__ = ["ShareLoader", "shares"]
-
-
-def shares(step: torch.Tensor, participants: int, index: int, batch_size: int) -> tuple[torch.Tensor, ...]:
-    """Participant ``index``'s batches of ``step`` (dataset indices) among ``participants``: the entries
-    ``index``, ``index + participants``, ... in batches of ``batch_size`` (the distributed sampler's deal)."""
-    return torch.split(step[index::participants], batch_size)
+__all__ = ["ShareLoader"]
 
 
 class _Planned:

@@ -119,6 +119,16 @@ class LossSums:
             self.tokens = self.tokens + tokens
         self._tensor = None
 
+    @classmethod
+    def summed(cls, loss_sum: float, items: float, tokens: float = 0.0) -> LossSums:
+        """Sums already made (every replica group's in a fault-tolerant step, which rode with its gradients): a
+        loss sum of ``loss_sum`` over ``items`` items and ``tokens`` tokens, on the CPU."""
+        sums = cls()
+        if items:
+            sums.losses.append((torch.tensor(loss_sum, dtype=torch.float64), 1.0))
+        sums.items, sums.tokens = items, tokens
+        return sums
+
     def add_loss_to(self, total: torch.Tensor) -> None:
         """Add the loss sum to ``total`` (a 0-d float64 tensor on the losses' device), in place: one tensor
         operation a batch."""
@@ -202,7 +212,10 @@ class CommittedStep:
 
     Attributes:
         position: entries of the epoch's global order done once this step is taken.
-        sums: this rank's loss sum and item count in the step.
+        sums: this rank's loss sum and item count in the step (``loop.step_loss``).
+        job_sums: every replica group's, when the driver has them without a collective (fault tolerance: they
+            rode with the gradients): the epoch's totals count them. ``None``: the epoch counts :attr:`sums`,
+            and the driver sums the ranks' at the epoch's end.
         signal: SLURM's signal that some process received (0: none), the same in every process.
         metrics: what the step measured besides its loss (``replica_groups``), for ``step_metrics``.
     """
@@ -211,6 +224,7 @@ class CommittedStep:
     sums: LossSums
     signal: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    job_sums: LossSums | None = None
 
 
 @dataclass

@@ -36,9 +36,19 @@ from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
 from ddpkit.fault_tolerance._quorums import JobEnded, group_name
 from ddpkit.process_group import get_rank, get_world_size
-from ddpkit.samplers import DistributedSamplerWrapper, epoch_seed
-from ddpkit.training._ahead import ShareLoader, shares
-from ddpkit.training._driver import Batch, Budget, CommittedStep, EpochTotals, NotCommitted, Step, peak_memory
+from ddpkit.samplers import DistributedSamplerWrapper
+from ddpkit.training._ahead import ShareLoader
+from ddpkit.training._deal import batch_seed, first_position, shares, step_divisor
+from ddpkit.training._driver import (
+    Batch,
+    Budget,
+    CommittedStep,
+    EpochTotals,
+    LossSums,
+    NotCommitted,
+    Step,
+    peak_memory,
+)
 from ddpkit.training._replica_checks import numeric_buffers, weight_norms
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import TrainState
@@ -89,7 +99,7 @@ class FaultTolerantSteps:
             )
         self.batch_size = int(loader.batch_size)
         self.data = ShareLoader(loader, self.batch_size, global_batch_size, self._order,
-                                lambda epoch, low: epoch_seed(loop.seed, epoch, low))  # fmt: skip
+                                lambda epoch, low: batch_seed(loop.seed, epoch, low))  # fmt: skip
         #: Entries of the current epoch's global order done in committed steps.
         self.position = 0
         self.prefix = ""
@@ -103,8 +113,6 @@ class FaultTolerantSteps:
         self._writer = False  # whether this is rank 0 of participant 0 of the last committed step
         self._writing_group = False  # whether this is a rank of participant 0 of the last committed step
         self.last_deal: tuple[int, int | None] | None = None  # (participants, index) of the last step's quorum
-        self._job_sums = torch.zeros(2, dtype=torch.float64)  # every group's, in this epoch's committed steps
-        self._job_tokens = 0.0  # every group's tokens (the loop's tokens_fn), in this epoch's committed steps
         self._times: dict[str, tuple[float, int]] = {}  # this epoch: each group's (seconds per batch, steps)
         #: The replica groups whose times ``loop.step_times`` holds, in that order (after an epoch).
         self.timed: list[str] = []
@@ -135,12 +143,11 @@ class FaultTolerantSteps:
         self.position = self.run.take_over(
             TrainState.from_dict(saved, f"the state replica group {self.settings.replica_id} took")
         )
-        self._job_sums, self._job_tokens = torch.zeros(2, dtype=torch.float64), 0.0
 
     def gathered(self, position: int) -> tuple[list[dict[str, Any]], torch.Tensor]:
         """This rank's random state (each batch is reseeded) and the job's loss sums of the epoch's committed
-        steps, which rode with their gradients: no collective."""
-        return [rng_state()], self._job_sums.clone()
+        steps, which rode with their gradients (the run's epoch sums count them): no collective."""
+        return [rng_state()], self.loop.state.epoch_sums.cpu()
 
     # --- the run ----------------------------------------------------------------------------------
 
@@ -195,7 +202,7 @@ class FaultTolerantSteps:
         recovering group takes its peer's epoch and position in a commit and goes on from there."""
         assert self._group is not None, "FaultTolerantSteps.epoch outside its with block"
         self.position, self._budget = position, budget
-        self._job_sums, self._job_tokens, self._times = torch.zeros(2, dtype=torch.float64), 0.0, {}
+        self._times = {}
         while self.position < len(self._order(self.loop.state.epoch)):
             yield _QuorumStep(self, self._group)
 
@@ -204,9 +211,10 @@ class FaultTolerantSteps:
         group's time per batch; the peak memory of this process only (no collective)."""
         self.timed = sorted(self._times)
         self.loop.step_times = [1000 * self._times[name][0] / self._times[name][1] for name in self.timed]
-        loss = self.loop.state.epoch_loss(self._job_sums)
-        tokens = self._job_tokens if self.loop.tokens_fn is not None else None
-        return EpochTotals(loss, float(self._job_sums[1]), [peak_memory(self.loop.device)], tokens)
+        state = self.loop.state
+        sums = state.epoch_sums.cpu()  # every group's: the steps' job_sums
+        tokens = float(state.epoch_tokens) if self.loop.tokens_fn is not None else None
+        return EpochTotals(state.epoch_loss(sums), float(sums[1]), [peak_memory(self.loop.device)], tokens)
 
     def _order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s global order (dataset indices), the same in every group."""
@@ -227,8 +235,8 @@ class FaultTolerantSteps:
         chunks = shares(step, workers, worker, self.batch_size)
         loaded = self.data.share(epoch, low, workers, worker)
         for number, (chunk, data) in enumerate(zip(chunks, loaded, strict=True)):
-            seed = epoch_seed(self.loop.seed, epoch, low + worker + workers * number * self.batch_size)
-            yield Batch(data, len(chunk) * workers / len(step), seed=seed, index=low // self.size)
+            seed = batch_seed(self.loop.seed, epoch, first_position(low, workers, worker, number, self.batch_size))
+            yield Batch(data, 1.0 / step_divisor(len(step), len(chunk), workers), seed=seed, index=low // self.size)
 
     def commit(self, group: ReplicaGroup, step: _QuorumStep) -> CommittedStep | NotCommitted:
         """Average ``step``'s gradients over the quorum's participants with what rides with them, and commit;
@@ -285,14 +293,14 @@ class FaultTolerantSteps:
             if seconds > 0:  # a group that trained a share in this step
                 total, steps = self._times.get(name, (0.0, 0))
                 self._times[name] = (total + seconds, steps + 1)
-        self._job_sums += job_sums
-        self._job_tokens += float(job_tokens[0])
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
         self.position += min(self.size, len(self._order(state.epoch)) - self.position)
         self._writing_group = index == 0
         self._writer = self._writing_group and self.rank == 0
         signal = loop.preemption.signal_of(mean_flags)
-        return CommittedStep(self.position, step.counted, signal, {"replica_groups": float(participants)})
+        loss_sum, items = job_sums.tolist()
+        job = LossSums.summed(loss_sum, items, float(job_tokens[0]))  # the epoch's totals count these
+        return CommittedStep(self.position, step.counted, signal, {"replica_groups": float(participants)}, job)
 
     def _check_same_weights(self, own: list[float], mean: torch.Tensor, step: int) -> None:
         """Raise when this group's weights are not the quorum's: ``own`` (this group's L1 norm and squared L2

@@ -253,7 +253,7 @@ class TrainingRun(RunCheckpoints):
         metrics.update(step.metrics)
         if outcome.grad_norm is not None:
             metrics["grad_norm"] = outcome.grad_norm
-        state.count_step(step.sums, outcome.taken, **metrics)
+        state.count_step(step.sums, outcome.taken, step.job_sums, **metrics)
         recipe.after_step(outcome)
         loop.callbacks_handler.execute("on_batch_end")
         if loop.evaluate_every is not None and state.global_step % loop.evaluate_every == 0:

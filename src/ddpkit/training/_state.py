@@ -149,22 +149,26 @@ class RunState:
         """Forget the epoch's loss sums (:attr:`epoch_sums` becomes zeros)."""
         self._epoch_loss, self._epoch_items, self._epoch_tokens = None, 0.0, 0.0
 
-    def count_step(self, sums: LossSums, taken: bool = True, **metrics: float | torch.Tensor) -> None:
+    def count_step(
+        self, sums: LossSums, taken: bool = True, job_sums: LossSums | None = None, **metrics: float | torch.Tensor
+    ) -> None:
         """Count an optimizer step (``taken``: not skipped by fp16's scaler) whose loss sum and sample count on
         this rank were ``sums`` (nothing is read back to the host; one tensor operation a batch):
         :attr:`step_loss` becomes them, :attr:`step_metrics` ``metrics`` (a tensor among them is read when a
-        callback asks for it)."""
+        callback asks for it). The epoch's sums (:attr:`epoch_sums`, :attr:`epoch_tokens`) add ``job_sums``
+        where the step has them (every replica group's, under fault tolerance), else ``sums``."""
         self.global_step += 1
         self.skipped_steps += not taken
         self.step_metrics = StepMetrics(metrics) if metrics else _NO_METRICS
         self._last_step = sums
-        if sums.losses:
+        counted = sums if job_sums is None else job_sums
+        if counted.losses:
             if self._epoch_loss is None:
-                self._epoch_loss = torch.zeros((), dtype=torch.float64, device=sums.losses[0][0].device)
-            sums.add_loss_to(self._epoch_loss)
-        self._epoch_items += sums.items
-        if not isinstance(sums.tokens, float) or sums.tokens:
-            self._epoch_tokens = self._epoch_tokens + sums.tokens
+                self._epoch_loss = torch.zeros((), dtype=torch.float64, device=counted.losses[0][0].device)
+            counted.add_loss_to(self._epoch_loss)
+        self._epoch_items += counted.items
+        if not isinstance(counted.tokens, float) or counted.tokens:
+            self._epoch_tokens = self._epoch_tokens + counted.tokens
 
     def epoch_loss(self, sums: torch.Tensor) -> float:
         """The epoch's train loss from ``sums``, every process's loss sum and sample count in the steps since

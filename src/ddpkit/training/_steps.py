@@ -32,7 +32,8 @@ from torch import nn
 
 from ddpkit._gradients import reduce_gradients
 from ddpkit.process_group import get_world_size, is_distributed
-from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout, epoch_seed
+from ddpkit.samplers import DistributedSamplerWrapper, EpochLayout
+from ddpkit.training._deal import batch_seed, first_position, step_divisor
 from ddpkit.training._sources import EpochSource
 
 __all__ = ["Accumulation", "GlobalBatch", "GlobalSteps", "StepPlan", "TrainingEpochs", "average_gradients"]
@@ -225,7 +226,8 @@ class GlobalSteps:
 
     def divisor(self, index: int) -> float:
         """``step items / (batch items * W)``: ``accumulation`` in a step of the full global batch."""
-        return self._items_of_step(index // self.accumulation) / (self._batch_items[index] * self.layout.world_size)
+        return step_divisor(self._items_of_step(index // self.accumulation), self._batch_items[index],
+                            self.layout.world_size)  # fmt: skip
 
     def position_after(self, index: int) -> int:
         """Entries of the epoch's global order done once the step of batch ``index`` is done."""
@@ -234,8 +236,8 @@ class GlobalSteps:
     def batch_seed(self, index: int) -> int:
         """The seed of batch ``index``'s random numbers (dropout): a hash of the seed, the epoch and the
         batch's first position, so that a restarted run draws what the first one drew."""
-        first = self.start + self.rank + self.layout.world_size * index * self.entries_per_batch
-        return epoch_seed(self.seed, self.epoch, first)
+        first = first_position(self.start, self.layout.world_size, self.rank, index, self.entries_per_batch)
+        return batch_seed(self.seed, self.epoch, first)
 
     def end_position(self) -> int:
         """The epoch's entry count: the final step ends it."""
