@@ -26,7 +26,8 @@ lighthouse waits for it for the next quorum). With ``$FT_WAIT_FOR`` (paths, comm
 for the first file after committing step ``$FT_WAIT_AT`` (steps, as many), for the second after the second
 step, ..., for at most 120 s each. Both at one path: a restarted group, whose Python, torch and torchft take
 several seconds to start (more on a loaded machine), is sure to find peers to take the state from, and a
-group that joins late is sure to find the others still training.
+group that joins late is sure to find the others still training. With ``$FT_DELAY_UNTIL`` (a path), ``DELAY`` holds
+only until that file exists (a test's phases need a job still stepping; after them the job ends at full speed).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class StepLog(Callback):
     def __init__(self, delay: float) -> None:
         self.delay = delay
         self.marker = os.environ.get("FT_RESTART_MARKER")
+        self.delay_until = os.environ.get("FT_DELAY_UNTIL")
         paths, at = os.environ.get("FT_WAIT_FOR"), os.environ.get("FT_WAIT_AT")
         self.waits = dict(zip(map(int, at.split(",")), paths.split(","), strict=True)) if paths and at else {}
 
@@ -174,7 +176,8 @@ class StepLog(Callback):
                   "groups": loop.step_metrics.get("replica_groups")}  # fmt: skip
         loop.log.write(json.dumps(record) + "\n")
         loop.log.flush()
-        time.sleep(self.delay)
+        if not (self.delay_until and os.path.exists(self.delay_until)):
+            time.sleep(self.delay)
         if done in self.waits:
             deadline = time.monotonic() + 120.0
             while not os.path.exists(self.waits[done]) and time.monotonic() < deadline:

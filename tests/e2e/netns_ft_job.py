@@ -36,7 +36,7 @@ from tests.helpers import OTHER_SECRET, descendants, holds_within, listening_soc
 
 #: Seconds each stranger takes part.
 STRANGER_S = 10.0
-#: Seconds each group waits after a committed step (the job must outlast the strangers).
+#: Seconds each group waits after a committed step while the strangers take part (the job must outlast them).
 DELAY_S = "1.5"
 #: The step after which the job's groups wait for group-x (of 69; at DELAY_S each, past the phases before it).
 WAIT_AT = 64
@@ -121,7 +121,8 @@ def main(out: Path) -> None:
                "-m", "tests.e2e.ft_trainloop", "-", "-", str(out), "0", DELAY_S]  # fmt: skip
     job_log = out / "job.log"
     output = open(job_log, "wb")  # noqa: SIM115  # open while the job runs
-    env = {**_ENV, "FT_WAIT_FOR": str(out / "group-x-joined"), "FT_WAIT_AT": str(WAIT_AT)}
+    env = {**_ENV, "FT_WAIT_FOR": str(out / "group-x-joined"), "FT_WAIT_AT": str(WAIT_AT),
+           "FT_DELAY_UNTIL": str(out / "phases-done")}  # fmt: skip
     job = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         found = holds_within(lambda: "lighthouse at http" in job_log.read_text(), 60)
@@ -134,6 +135,7 @@ def main(out: Path) -> None:
                 result[mode] = _stranger(mode, lighthouse, out)
             result["marker"] = Path(f"{out / 'claim'}.marker").exists()
             result["secret"] = _other_secret(lighthouse, out)
+        (out / "phases-done").touch()  # the rest of the job at full speed
         result["code"] = job.wait(timeout=240)
     finally:
         if job.poll() is None:

@@ -7,6 +7,9 @@ Here, the tests that start fresh processes; the others are in tests/unit/test_qu
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +70,36 @@ def test_a_stranger_to_a_fault_tolerant_job_gets_nothing_gives_nothing_runs_noth
     assert "restart 1 of 2" in log, log[-4000:]
     outs = [tmp_path / "group-0", tmp_path / "group-1"]
     check_against_one_process(outs, outs)
+
+
+_EXITING = """
+import sys, time
+from pathlib import Path
+from ddpkit.fault_tolerance._waits import reap
+out = Path(sys.argv[1])
+
+class Group:  # an aborted quorum group whose end takes a while (gloo's destructor joins its threads)
+    def __init__(self, name):
+        self.name = name
+    def __del__(self):
+        time.sleep(0.5)  # the GIL let go, as gloo's destructor does
+        (out / self.name).touch()
+
+reap(Group("dropped-as-the-process-exits"), time.monotonic() + 0.2)
+reap(Group("due-after-the-exit"), time.monotonic() + 5.0)
+time.sleep(0.4)  # the process exits while the first is being dropped
+"""
+
+
+def test_a_group_dropped_as_the_process_exits_is_dropped_first_and_none_is_dropped_after(tmp_path: Path) -> None:
+    """The reaper drops a held quorum group in a daemon thread: once the process exits, a group being dropped then
+    is dropped before the interpreter goes (a gloo group's destructor that comes back to a finalized interpreter
+    aborts the process with SIGABRT) and no later group is dropped at all; the exit waits for neither's time."""
+    script = tmp_path / "exiting.py"
+    script.write_text(_EXITING)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "dropped-as-the-process-exits").exists(), "the exit cut short the group being dropped"
+    assert not (tmp_path / "due-after-the-exit").exists(), "a group was dropped after the process began to exit"
+    assert time.monotonic() - started < 4.5, "the exit waited for a held group's time"

@@ -4,6 +4,7 @@ a member that stopped (:class:`Watched`), and the end of a group aborted while a
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -39,16 +40,22 @@ WATCH_AFTER_S = 1.0
 def _reap(groups: queue.SimpleQueue[tuple[Any, float]]) -> None:
     """Hold each group put in ``groups`` until its time (once any collective left running in it has timed out),
     then drop it, in this thread: gloo's group joins its threads when it ends, which waits for such a collective
-    (one that a stopped member never completes), and torchft's configuration would otherwise drop it itself."""
+    (one that a stopped member never completes), and torchft's configuration would otherwise drop it itself. No
+    group is dropped once the process exits (:func:`_at_exit`)."""
     while True:
         group, until = groups.get()
         time.sleep(max(0.0, until - time.monotonic()))
-        del group
+        with _letting_go:
+            del group
 
 
 _REAPED: queue.SimpleQueue[tuple[Any, float]] = queue.SimpleQueue()
 _reaper_lock = threading.Lock()
 _reaper: threading.Thread | None = None
+#: Held while the reaper drops a group, and for good once the process exits.
+_letting_go = threading.Lock()
+#: Seconds the exit waits for a group being dropped at that moment.
+_EXIT_WAIT_S = 30.0
 
 
 def reap(group: Any, until: float) -> None:
@@ -59,7 +66,16 @@ def reap(group: Any, until: float) -> None:
         if _reaper is None:
             _reaper = threading.Thread(target=_reap, args=(_REAPED,), name="ddpkit-quorum-group-reaper", daemon=True)
             _reaper.start()
+            atexit.register(_at_exit)
     _REAPED.put((group, until))
+
+
+def _at_exit() -> None:
+    """Once the process exits, the reaper drops no group (a group dropped in the reaper's daemon thread while the
+    interpreter finalizes aborts the process: SIGABRT, ``terminate called without an active exception``, when
+    the thread, back from gloo's destructor, finds the interpreter gone). A group being dropped now is dropped
+    first; the others stay held by the reaper's thread and end with the process."""
+    _letting_go.acquire(timeout=_EXIT_WAIT_S)  # never released
 
 
 class Watched(torch.distributed.Work):
