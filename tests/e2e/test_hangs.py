@@ -113,11 +113,12 @@ class _SkippingLoop(TrainLoop):
         return super().training_step(model, batch)
 
 
-def _skip_one_ddp_step(directory: str) -> None:
+def _skip_one_step(directory: str, sharded: bool) -> None:
     _record(directory, "wait")
     train, _ = digits_datasets()
     model = build_model()
-    _SkippingLoop(model, DataLoader(train, batch_size=32, shuffle=True), progress=False).fit(1)
+    plugin = ddpkit.FSDPPlugin() if sharded else None
+    _SkippingLoop(model, DataLoader(train, batch_size=32, shuffle=True), plugin=plugin, progress=False).fit(1)
 
 
 class _BlockingDigits(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -240,9 +241,11 @@ def test_a_rank_spinning_in_python_is_named_with_its_line(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_skipping_ddp_in_a_train_loop_step_is_named_at_that_step(tmp_path: Path) -> None:
-    """Better than a hang report: the rank that skips DDP's all-reduce raises at that very step."""
-    error, ended = _hang(_skip_one_ddp_step, tmp_path)
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
+def test_a_rank_skipping_the_model_in_a_train_loop_step_is_named_at_that_step(sharded: bool, tmp_path: Path) -> None:
+    """Better than a hang report: the rank that skips the model (DDP's all-reduce, or a sharded model's all-gathers
+    and reduce-scatters) raises at that very step."""
+    error, ended = _hang(_skip_one_step, tmp_path, sharded)
     assert not isinstance(error, HangError)
     assert error.rank == 1  # type: ignore[attr-defined]
     assert f"rank 1: training_step ({HERE}:{_line('marker: training_step')}) did not call the model in step 4" in str(

@@ -292,3 +292,4 @@ def test_a_compiled_sharded_model_trains_as_one_process() -> None:
     single = fit_sharded(1)
     compiled = run_parallel(fit_sharded, 1, compile={"backend": "aot_eager"}, world_size=2, timeout=300)[0]
     assert max_difference(compiled["weights"], single["weights"]) < TOLERANCE
+    assert compiled["run_hooks"] == 0, "the fit left its forward counter on the model"

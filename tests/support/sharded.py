@@ -263,7 +263,17 @@ def fit_sharded(
         "block_forwards": BLOCK_FORWARDS[0], "state_dict_keys": sorted(loop.model.state_dict()),
         "compute_dtypes": sorted(COMPUTE_DTYPES),
         "parameter_dtypes": sorted({str(p.dtype) for p in loop.model.parameters()}),
+        "run_hooks": _run_hooks(loop.model),
     }  # fmt: skip
+
+
+def _run_hooks(model: nn.Module) -> int:
+    """The forward pre-hooks of ``model`` and its modules that a ``TrainLoop`` left (a fit counts forwards while it
+    runs: none must stay, or the model would pickle with the loop)."""
+    from ddpkit.training._run import TrainingRun
+
+    hooks = [hook for module in model.modules() for hook in module._forward_pre_hooks.values()]
+    return sum(isinstance(getattr(hook, "__self__", None), TrainingRun) for hook in hooks)
 
 
 def _mesh(model: nn.Module) -> tuple[tuple[int, ...], tuple[str, ...]] | None:

@@ -295,7 +295,8 @@ def test_a_commit_says_what_happened_and_the_runner_names_no_driver_or_plugin() 
                     f"{path.name}:{r.lineno}" for r in returns if r.value is None or ast.unparse(r.value) == "None"
                 ]
     assert silent == []
-    names = {"DDPSteps", "FaultTolerantSteps", "DDPPlugin", "FSDPPlugin", "TorchFT", "ReplicaGroup"}
+    names = {"DDPSteps", "FaultTolerantSteps", "DDPPlugin", "FSDPPlugin", "TorchFT", "ReplicaGroup",
+             "DistributedDataParallel", "FSDPModule"}  # fmt: skip
     for name in ("_run.py", "_run_checkpoints.py"):
         used = {node.id for node in ast.walk(ast.parse((PACKAGE / "training" / name).read_text()))
                 if isinstance(node, ast.Name)}  # fmt: skip

@@ -240,7 +240,7 @@ class FaultTolerantSteps:
 
     def commit(self, group: ReplicaGroup, step: _QuorumStep) -> CommittedStep | NotCommitted:
         """Average ``step``'s gradients over the quorum's participants with what rides with them, and commit;
-        ``None`` when it was not (the next quorum does it again)."""
+        ``NotCommitted.AGAIN`` when it was not (the next quorum does it again)."""
         loop, state, model = self.loop, self.loop.state, self.loop.model
         participants, index = step.deal
         own = weight_norms(model) if index is not None else [0.0, 0.0]

@@ -31,12 +31,14 @@ def _where(function: Callable[..., Any]) -> str:
 
 
 def skipped_model_error(method: Callable[..., Any], state: RunState, index: int) -> DDPKitError:
-    """The error of a rank whose ``training_step`` (``method``, the class's function) did not run the DDP model
-    (it would skip the all-reduce the other ranks wait in), naming the step and where ``training_step`` is."""
+    """The error of a rank whose ``training_step`` (``method``, the class's function) did not run the model given
+    to it (it would skip the collectives the other ranks wait in: DDP's gradient all-reduce, FSDP's all-gathers
+    and reduce-scatters), naming the step and where ``training_step`` is."""
     where = _where(method)
     return DDPKitError(
         f"rank {get_rank()}: training_step{where} did not call the model in step {state.global_step + 1} (epoch "
-        f"{state.epoch + 1}, batch {index}), so this rank would skip DDP's gradient all-reduce that the other "
+        f"{state.epoch + 1}, batch {index}), so this rank would skip the collectives of the model's forward and "
+        "backward (DDP's gradient all-reduce; a sharded model's all-gathers and reduce-scatters) that the other "
         "ranks wait in: the ranks would go out of step (a hang, or gradients of different steps averaged). "
         "Call the model on every rank in every step; to drop a bad batch, multiply its loss by 0 instead"
     )

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -68,6 +67,7 @@ class TrainingRun(RunCheckpoints):
         self._epochs: TrainingEpochs | None = None  # the training loader's epochs as steps, once set up
         self._forward_model: nn.Module | None = None  # what training_step gets: the DDP model, maybe compiled
         self._forward_calls = 0
+        self._counting = False  # whether forwards are counted (a fit with a process group)
         self._driver: StepDriver | None = None  # while it trains
         self._budget = Budget(1)  # the fit's, while it trains
         self._evaluated: tuple[int, dict[str, float]] | None = None  # (global step, metrics) of the last evaluation
@@ -122,8 +122,6 @@ class TrainingRun(RunCheckpoints):
                 loop.ddp_model = loop.model
             loop.recipe.bind(loop.optimizer, loop.device, sharded=loop.plugin.forwards_together and is_distributed())
             self._forward_model = loop.recipe.compiled(loop.ddp_model)
-            if loop.ddp_model is not loop.model:
-                self._forward_model.register_forward_pre_hook(self._count_forward)
             loop.plugin.on_after_setup_optimizers(loop)
         return loop.ddp_model
 
@@ -148,6 +146,12 @@ class TrainingRun(RunCheckpoints):
         loop = self.loop
         loop.callbacks_handler.execute("on_train_begin")
         self._driver, self._budget, self._evaluated = driver, budget, None
+        # With a process group, each forward of the model is counted (a rank whose training_step skips it would
+        # skip the collectives the other ranks wait in): the wrapper's (DDP's), or the model's own when the plugin
+        # shards it in place (FSDP: calling loop.model is as good); the hook goes with the run.
+        counted = loop.model if loop.ddp_model is loop.model else self.forward_model
+        counting = counted.register_forward_pre_hook(self._count_forward) if is_distributed() else None
+        self._counting = counting is not None
         try:
             with loop.preemption.watching(loop.checkpoint_dir is not None, driver.forwarded), driver:
                 while not budget.done(loop.state):
@@ -156,7 +160,9 @@ class TrainingRun(RunCheckpoints):
                 self._writes.finish()  # the last checkpoint is whole on disk when fit returns
         finally:
             self._writes.wait()  # a stop or a failure: rank 0's write under way still completes
-            self._driver = None
+            self._driver, self._counting = None, False
+            if counting is not None:
+                counting.remove()
         loop.callbacks_handler.execute("on_train_end")
         return dict(loop.state.history)
 
@@ -221,7 +227,9 @@ class TrainingRun(RunCheckpoints):
                 if type(loss) is not torch.Tensor or loss.dim():
                     loss = returned_loss(loss, lambda: step_name(loop, "training_step"))
             seconds = time.perf_counter() - began
-            if batch.synced and self._forward_calls == calls and isinstance(model, DistributedDataParallel):
+            # A batch whose backward synchronises (DDP's all-reduce), or any batch when the plugin's forward is a
+            # collective too (FSDP's all-gathers): every rank must have run the model.
+            if self._counting and self._forward_calls == calls and (batch.synced or loop.plugin.forwards_together):
                 raise skipped_model_error(type(loop).training_step, loop.state, batch.index)
             loop.recipe.backward(loss, batch.scale, None if nothing is None else nothing.outputs)
         tokens = 0.0 if loop.tokens_fn is None else tokens_of(loop.tokens_fn, data, batch.weight)
