@@ -107,7 +107,7 @@ class DDPPlugin(ParallelPlugin):
         return optimizer.state_dict()
 
     def checkpoint_state(
-        self, model: nn.Module, optimizer: Optimizer, directory: Path, name: str, *, asynchronous: bool = False
+        self, model: nn.Module, optimizer: Optimizer, directory: Path | None, name: str, *, asynchronous: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
         """What a checkpoint holds of the model and its optimizer: ``(weights, optimizer state, None)``, the
         model's ``state_dict()`` and :meth:`optimizer_state`, which go in the checkpoint file (``directory``,

@@ -276,15 +276,21 @@ class FSDPPlugin(ParallelPlugin):
         return get_optimizer_state_dict(self._sharded, optimizer)
 
     def checkpoint_state(
-        self, model: nn.Module, optimizer: Optimizer, directory: Path, name: str, *, asynchronous: bool = False
+        self, model: nn.Module, optimizer: Optimizer, directory: Path | None, name: str, *, asynchronous: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
         """Write the sharded weights and optimizer state as the sharded checkpoint ``directory / name`` (every
         rank its shards, torch's ``torch.distributed.checkpoint`` format); ``({}, {}, name)``. With
         ``asynchronous``: copy the shards to the CPU and start the write (``async_save``, its collectives on a gloo
         group of its own), which :meth:`take_pending_write` hands over. Unsharded (one process): the state dicts
-        themselves, as ``DDPPlugin`` gives them (every rank calls it)."""
+        themselves, as ``DDPPlugin`` gives them (every rank calls it). Raises ``ValueError`` when the model is
+        sharded and ``directory`` is ``None`` (its state goes to files only)."""
         if not _is_sharded(model):
             return unwrap_model(model).state_dict(), self.optimizer_state(optimizer), None
+        if directory is None:
+            raise ValueError(
+                "FSDPPlugin writes a sharded model's state as a sharded checkpoint, to files only: give the state "
+                f"{name!r} a directory"
+            )
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         weights, optimizer_state = get_state_dict(model, optimizer)

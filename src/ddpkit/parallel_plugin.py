@@ -98,12 +98,13 @@ class ParallelPlugin(ABC):
 
     @abstractmethod
     def checkpoint_state(
-        self, model: nn.Module, optimizer: Optimizer, directory: Path, name: str, *, asynchronous: bool = False
+        self, model: nn.Module, optimizer: Optimizer, directory: Path | None, name: str, *, asynchronous: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
         """What a checkpoint holds of the model and its optimizer, ``(weights, optimizer state, sharded)``: the
         state dicts that go in the checkpoint file, or ``({}, {}, name)`` when they were written as the sharded
         checkpoint ``directory / name`` (with ``asynchronous``, started; :meth:`take_pending_write` hands the
-        write over). Every rank calls it."""
+        write over). ``directory`` ``None``: the state is wanted in memory (what a recovering fault-tolerant
+        replica group takes), and a plugin that can only write it raises ``ValueError``. Every rank calls it."""
 
     def take_pending_write(self) -> Callable[[], object] | None:
         """The write :meth:`checkpoint_state` started with ``asynchronous`` (a callable that waits for it and puts

@@ -50,6 +50,9 @@ def test_sharded_training_equals_one_process_and_each_rank_holds_its_shard(
     held = sum(r["memory"]["parameters"] for r in results)
     assert held == sum(w.numel() * 4 for w in one_process["weights"].values()), "the shards add up to the model"
     assert results[0]["memory"]["optimizer"] < 0.6 * one_process["memory"]["optimizer"]
+    # its state goes to files only: asked for it in memory, every rank refuses (nothing written in the cwd)
+    assert all("a sharded checkpoint, to files only" in r["in_memory"] for r in results)
+    assert one_process["in_memory"] == "given"
 
 
 def test_a_sharded_checkpoint_of_two_ranks_resumes_mid_epoch_on_three(tmp_path: Path, one_process: dict) -> None:

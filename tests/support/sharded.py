@@ -264,7 +264,17 @@ def fit_sharded(
         "compute_dtypes": sorted(COMPUTE_DTYPES),
         "parameter_dtypes": sorted({str(p.dtype) for p in loop.model.parameters()}),
         "run_hooks": _run_hooks(loop.model),
+        "in_memory": _in_memory(loop),
     }  # fmt: skip
+
+
+def _in_memory(loop: TrainLoop) -> str:
+    """What the plugin says when asked for the state in memory (no directory): its error, or ``"given"``."""
+    try:
+        loop.plugin.checkpoint_state(loop.model, loop.optimizer, None, "in-memory")
+    except ValueError as exc:
+        return str(exc)
+    return "given"
 
 
 def _run_hooks(model: nn.Module) -> int:

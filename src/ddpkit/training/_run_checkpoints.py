@@ -55,14 +55,14 @@ class RunCheckpoints:
         replica group hands a recovering peer (every rank calls it; ``driver``: the run's, by default the one
         training now). What ``driver.gathered`` costs: DDP's gather every rank's random state and sum their
         losses; a replica group's, nothing. A sharded model's weights and optimizer state are written to a
-        directory in ``directory`` (a checkpoint's), which the state names."""
+        directory in ``directory`` (a checkpoint's), which the state names; without ``directory`` the state is
+        made in memory (a plugin that only writes raises ``ValueError``)."""
         loop, driver = self.loop, driver if driver is not None else self._driver
         assert driver is not None, "capture() while it trains, or with its driver"
         rngs, sums = driver.gathered(position)
         name = sharded_name(loop.state.epoch, loop.state.global_step, position)
         weights, optimizer, sharded = loop.plugin.checkpoint_state(
-            loop.model, loop.optimizer, directory if directory is not None else Path("."), name,
-            asynchronous=asynchronous,
+            loop.model, loop.optimizer, directory, name, asynchronous=asynchronous,
         )  # fmt: skip
         return TrainState.capture(
             loop.state, position, self.epochs, model=weights, optimizer=optimizer,
