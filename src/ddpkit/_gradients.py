@@ -1,4 +1,7 @@
-"""A model's gradients, one flat tensor per device and dtype, reduced by one collective each and copied back."""
+"""A model's gradients, one flat tensor per device and dtype, reduced by one collective each and copied back.
+
+A sharded parameter's gradient (a ``DTensor``: FSDP's, already reduce-scattered over its mesh) is reduced as its
+local shard: rank ``r`` of one replica group with rank ``r`` of the others, which hold the same shard."""
 
 from __future__ import annotations
 
@@ -18,14 +21,16 @@ def reduce_gradients(
     takes part). ``reduce`` changes the flat tensor in place and returns ``False`` to stop: that tensor
     is not copied back and the rest are not reduced. ``extra`` (1-D, a few numbers such as loss sums)
     rides at the end of the first flat tensor, in its dtype, and gets what ``reduce`` left there (it is
-    reduced alone when there are no gradients): one collective fewer.
+    reduced alone when there are no gradients): one collective fewer. A ``DTensor`` gradient is reduced as its
+    local shard (no collective of its mesh).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for parameter in parameters:
         if parameter.requires_grad:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-            groups.setdefault((parameter.grad.device, parameter.grad.dtype), []).append(parameter.grad)
+            grad = local_tensor(parameter.grad)
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
     riding = extra
     for grads in groups.values():
         parts = [grad.reshape(-1) for grad in grads]
@@ -44,3 +49,11 @@ def reduce_gradients(
     if riding is not None:
         return reduce(riding)
     return True
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s local part: its shard on this rank for a ``DTensor`` (a view that writes through), else
+    ``tensor`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

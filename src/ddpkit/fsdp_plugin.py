@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ddpkit._activations import ActivationCheckpointingPolicy
 from ddpkit._fsdp_units import WrapPolicy, choose_units, mark_units, units_source, units_text
+from ddpkit._local_shards import is_local_shards, load_local_shards, local_shards
 from ddpkit.checkpoint import save_sharded, start_saving_sharded
 from ddpkit.environments import detect_environment
 from ddpkit.parallel_plugin import ParallelPlugin, load_whole_or_sharded, unwrap_model, whole_state_dict
@@ -115,7 +116,8 @@ class FSDPPlugin(ParallelPlugin):
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy, self.offload_policy = mp_policy, offload_policy
         self.hsdp = hsdp
-        self._sharded: nn.Module | None = None  # the model configure_ddp sharded
+        self._sharded: nn.Module | None = None  # the model configure_ddp sharded, and its sharded parameters:
+        self._shards: dict[str, nn.Parameter] = {}  # FSDP swaps a computing unit's whole ones into its modules
         self._unsharded: dict[int, tuple[torch.Tensor, str]] = {}  # its parameters before, by id, with names
         self._checkpoint_group: Any = None  # async checkpoints' gloo group, once made
         self._pending_write: Callable[[], object] | None = None  # what checkpoint_state(asynchronous=True) started
@@ -166,7 +168,7 @@ class FSDPPlugin(ParallelPlugin):
             fully_shard(unit, **options)
         fully_shard(model, **options)
         mark_units(model)
-        self._sharded = model
+        self._sharded, self._shards = model, dict(model.named_parameters())
         return model
 
     def _mesh(self, device_ids: list[int] | None) -> DeviceMesh:
@@ -221,7 +223,6 @@ class FSDPPlugin(ParallelPlugin):
             )
         if self._sharded is None or not self._unsharded:
             return optimizer
-        sharded = dict(self._sharded.named_parameters())
         stale = [p for group in optimizer.param_groups for p in group["params"] if id(p) in self._unsharded]
         if stale and optimizer.state:
             raise ValueError(
@@ -233,8 +234,8 @@ class FSDPPlugin(ParallelPlugin):
             replaced = []
             for parameter in group["params"]:
                 if id(parameter) in self._unsharded:
-                    parameter = sharded[self._unsharded[id(parameter)][1]]
-                elif not any(parameter is p for p in sharded.values()):
+                    parameter = self._shards[self._unsharded[id(parameter)][1]]
+                elif not any(parameter is p for p in self._shards.values()):
                     raise ValueError(
                         f"FSDPPlugin: the optimizer holds a parameter of shape {tuple(parameter.shape)} that is not "
                         "the model's: build the optimizer on model.parameters()"
@@ -278,19 +279,15 @@ class FSDPPlugin(ParallelPlugin):
     def checkpoint_state(
         self, model: nn.Module, optimizer: Optimizer, directory: Path | None, name: str, *, asynchronous: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any], str | None]:
-        """Write the sharded weights and optimizer state as the sharded checkpoint ``directory / name`` (every
-        rank its shards, torch's ``torch.distributed.checkpoint`` format); ``({}, {}, name)``. With
-        ``asynchronous``: copy the shards to the CPU and start the write (``async_save``, its collectives on a gloo
-        group of its own), which :meth:`take_pending_write` hands over. Unsharded (one process): the state dicts
-        themselves, as ``DDPPlugin`` gives them (every rank calls it). Raises ``ValueError`` when the model is
-        sharded and ``directory`` is ``None`` (its state goes to files only)."""
+        """Write the sharded weights and optimizer state as the sharded checkpoint ``directory / name`` (each rank
+        its shards, ``torch.distributed.checkpoint``'s format; every rank calls it); ``({}, {}, name)``. With
+        ``asynchronous``: copy the shards to the CPU and start the write (``async_save`` on a gloo group of its
+        own), which :meth:`take_pending_write` hands over. ``directory`` ``None``: this rank's shards in memory (a
+        recovering replica group's same rank takes them; no collective). Unsharded: the state dicts themselves."""
         if not _is_sharded(model):
             return unwrap_model(model).state_dict(), self.optimizer_state(optimizer), None
         if directory is None:
-            raise ValueError(
-                "FSDPPlugin writes a sharded model's state as a sharded checkpoint, to files only: give the state "
-                f"{name!r} a directory"
-            )
+            return (*local_shards(model, self._shards, optimizer), None)
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         weights, optimizer_state = get_state_dict(model, optimizer)
@@ -316,7 +313,11 @@ class FSDPPlugin(ParallelPlugin):
     ) -> None:  # fmt: skip
         """Load a checkpoint's weights and optimizer state into the (sharded) model and its optimizer: a
         sharded checkpoint of any world size, resharded for this one; or whole ones (a DDP or one-process
-        run's), each rank taking its shards (every rank calls it)."""
+        run's), each rank taking its shards (every rank calls it); or the same rank's shards of a replica group
+        of the same size (no collective)."""
+        if is_local_shards(weights):
+            load_local_shards(model, self._shards, optimizer, weights, optimizer_state)
+            return
         if sharded is not None or not _is_sharded(model):
             load_whole_or_sharded(model, optimizer, weights, optimizer_state, sharded)
             return

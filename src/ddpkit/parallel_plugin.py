@@ -104,7 +104,8 @@ class ParallelPlugin(ABC):
         state dicts that go in the checkpoint file, or ``({}, {}, name)`` when they were written as the sharded
         checkpoint ``directory / name`` (with ``asynchronous``, started; :meth:`take_pending_write` hands the
         write over). ``directory`` ``None``: the state is wanted in memory (what a recovering fault-tolerant
-        replica group takes), and a plugin that can only write it raises ``ValueError``. Every rank calls it."""
+        replica group takes: a sharded plugin gives this rank's shards), and a plugin that can only write it
+        raises ``ValueError``. Every rank calls it."""
 
     def take_pending_write(self) -> Callable[[], object] | None:
         """The write :meth:`checkpoint_state` started with ``asynchronous`` (a callable that waits for it and puts

@@ -14,11 +14,14 @@ computes after that (after writing ``{"kill": t}``; with ``$FT_KILL_AFTER`` seco
 inside the step, so that the other groups wait for it inside the gradients' all-reduce when it dies); with
 ``KILL_AT`` < 0 it hangs for 8 s there instead (after writing ``{"hang": t}``).
 With ``$FT_REQUEUE=1`` the loop has ``requeue=True`` (SLURM's SIGUSR1: a checkpoint, then ``scontrol requeue``).
+With ``$FT_PLUGIN=fsdp`` each group shards the model over its ranks (``FSDPPlugin()``; rank 0 of each group
+saves the whole weights, every rank's ``OUT.json`` says which part of each weight it held).
 With ``$FT_NUM_WORKERS`` the groups' training loader has that many DataLoader workers (the one-process
 reference run none). With ``CHECKPOINT_DIR`` the loop checkpoints there every 7 steps (and resumes from it).
 With ``$FT_LATE_RESTART`` (paths, comma-separated), a group started again waits for those files (at most 120 s)
 before it trains: a restart that comes after the others finished.
-At the end: the weights in ``OUT.pt``, the history in ``OUT.json``.
+At the end: the weights in ``OUT.pt``, the history in ``OUT.json``. (``... resume OUT CHECKPOINT_DIR EPOCHS``:
+:func:`resume`.)
 
 With ``$FT_RESTART_MARKER`` (a path; ``{group}`` in it stands for the group's id), a group started again (under
 its agent, or with ``$FT_RESTARTED=1``) creates that file once it has joined (its manager heartbeats, so the
@@ -46,7 +49,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpkit import Callback, TrainLoop
+from ddpkit import Callback, FSDPPlugin, TrainLoop
+from ddpkit._gradients import local_tensor
 from ddpkit.examples.demo import build_model
 from ddpkit.examples.digits import digits_datasets
 from ddpkit.fault_tolerance import TorchFT
@@ -189,19 +193,23 @@ def inked(batch: Any) -> torch.Tensor:
     return (batch[0] > 0).sum()
 
 
-def build_loop(fault_tolerance: TorchFT | None) -> IndexedLoop:
-    """The same loop in every group and in the one-process reference run (same weights, order, optimizer)."""
+def build_loop(fault_tolerance: TorchFT | None, sharded: bool | None = None) -> IndexedLoop:
+    """The same loop in every group and in the one-process reference run (same weights, order, optimizer);
+    ``sharded`` (default: with fault tolerance and ``$FT_PLUGIN=fsdp``) with ``FSDPPlugin()``."""
     train_set, val_set = digits_datasets(seed=0)
     images, labels = train_set.tensors
     indexed = TensorDataset(images, labels, torch.arange(len(labels)))
     torch.manual_seed(0)
     model = build_model()
     workers = int(os.environ.get("FT_NUM_WORKERS", "0")) if fault_tolerance is not None else 0
+    if sharded is None:
+        sharded = os.environ.get("FT_PLUGIN") == "fsdp" and fault_tolerance is not None
     return IndexedLoop(
         model, DataLoader(indexed, batch_size=BATCH, shuffle=True, num_workers=workers),
         DataLoader(val_set, batch_size=50),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), global_batch_size=GLOBAL_BATCH,
         progress=False, fault_tolerance=fault_tolerance, requeue=os.environ.get("FT_REQUEUE") == "1", tokens_fn=inked,
+        plugin=FSDPPlugin() if sharded else None,
     )  # fmt: skip
 
 
@@ -288,10 +296,28 @@ def main(replica: str, lighthouse: str, out: str, kill_at: int, delay: float, ch
         while not all(os.path.exists(path) for path in late.split(",")) and time.monotonic() < deadline:
             time.sleep(0.1)
     history = loop.fit(EPOCHS, callbacks=[StepLog(delay)])
-    torch.save(loop.model.state_dict(), f"{out}.pt")
+    weights = loop.full_state_dict()  # every rank of the group; sharded, its rank 0 gets them
+    if weights:
+        torch.save(weights, f"{out}.pt")
+    held = {name: local_tensor(p).numel() / p.numel() for name, p in loop.model.named_parameters()}
     with open(f"{out}.json", "w") as file:
-        json.dump(history, file)
+        json.dump({**history, "held": held}, file)
 
 
-if __name__ == "__main__":
+def resume(out: str, checkpoint_dir: str, epochs: int) -> None:
+    """``python -m tests.e2e.ft_trainloop resume OUT CHECKPOINT_DIR EPOCHS``, in one process or under
+    ``ddpkit run -n N``: the loop with ``FSDPPlugin()`` and no fault tolerance resumes the checkpoint in
+    ``CHECKPOINT_DIR`` (a fault-tolerant job's, say) and trains until ``EPOCHS``; rank 0 saves the whole weights
+    in ``OUT.pt``."""
+    loop = build_loop(None, sharded=True)
+    loop.checkpoint_dir = Path(checkpoint_dir)
+    loop.fit(epochs)
+    weights = loop.full_state_dict()
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(weights, f"{out}.pt")
+
+
+if __name__ == "__main__" and sys.argv[1] == "resume":
+    resume(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+elif __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), (sys.argv[6:] or [None])[0])

@@ -69,42 +69,57 @@ def test_a_fault_tolerant_trainloop_loads_ahead_with_the_training_loaders_worker
 _PAIR_SECRET = "a secret of this test, the same on both ranks"
 
 
-def _one_group_of_two_ranks(lighthouse: str, checkpoint_dir: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _one_group_of_two_ranks(lighthouse: str, checkpoint_dir: str, sharded: bool
+                            ) -> tuple[dict[str, torch.Tensor], list[float], float]:  # fmt: skip
     import os
 
+    from ddpkit import DDPPlugin, FSDPPlugin
+    from ddpkit._gradients import local_tensor
     from ddpkit._trust.secret import SECRET_VARIABLE
     from tests.builders import digits_loop
 
     os.environ[SECRET_VARIABLE] = _PAIR_SECRET
     try:
-        loop = digits_loop(16, samples=512, global_batch_size=64, checkpoint_dir=checkpoint_dir,
-                           fault_tolerance=TorchFT(lighthouse, "pair", timeout=10))  # fmt: skip
+        loop = digits_loop(16, samples=481, global_batch_size=64, checkpoint_dir=checkpoint_dir,
+                           fault_tolerance=TorchFT(lighthouse, "pair", timeout=10),
+                           plugin=FSDPPlugin() if sharded else DDPPlugin())  # fmt: skip
         history = loop.fit(2)
     finally:
         del os.environ[SECRET_VARIABLE]
-    return {name: value.clone() for name, value in loop.model.state_dict().items()}, history["train_loss"]
+    parameters = list(loop.model.parameters())
+    held = sum(local_tensor(p).numel() for p in parameters) / sum(p.numel() for p in parameters)
+    return loop.full_state_dict(), history["train_loss"], held
 
 
-def test_a_replica_group_of_two_ranks_trains_as_one_process_and_writes_its_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("plugin", ["ddp", "fsdp"])
+def test_a_replica_group_of_two_ranks_trains_as_one_process_and_writes_its_checkpoint(
+    plugin: str, tmp_path: Path
+) -> None:
     """A replica group of both ranks of a process group (each step's share dealt over its ranks, averaged over
     them and over the quorum): the weights and losses of one process with the same global batch, and the
-    checkpoint written by the group's ranks together (rank 0 writes)."""
+    checkpoint written by the group's ranks together (rank 0 writes). With FSDPPlugin each rank holds half of the
+    weights, and the epoch's last step (33 items: 2 batches on rank 0, 1 on rank 1) runs a batch that counts
+    nothing on rank 1, whose forward and backward take part in the sharded model's collectives."""
     from ddpkit.testing import run_parallel
     from ddpkit.training import TrainState
     from tests.builders import digits_loop
 
     with serve_lighthouse("127.0.0.1", min_replicas=1, secret=_PAIR_SECRET.encode()) as lighthouse:
-        (weights, losses), (weights_1, losses_1) = run_parallel(
-            _one_group_of_two_ranks, lighthouse.address, str(tmp_path), timeout=60
+        (weights, losses, held), (weights_1, losses_1, held_1) = run_parallel(
+            _one_group_of_two_ranks, lighthouse.address, str(tmp_path), plugin == "fsdp", timeout=90
         )
-    reference = digits_loop(16, samples=512, global_batch_size=64)
+    reference = digits_loop(16, samples=481, global_batch_size=64)
     expected = reference.fit(2)["train_loss"]
     assert losses == losses_1 == pytest.approx(expected, rel=1e-6)
+    assert (held, held_1) == ((0.5, 0.5) if plugin == "fsdp" else (1.0, 1.0))
+    if plugin == "fsdp":
+        assert weights_1 == {}, "the sharded model's whole weights go to rank 0"
     for name, value in reference.model.state_dict().items():
-        assert torch.equal(weights[name], weights_1[name]), "the group's ranks hold the same weights"
+        assert plugin == "fsdp" or torch.equal(weights[name], weights_1[name]), "the group's ranks hold the same"
         assert float((weights[name] - value).abs().max()) < 1e-5, name
     saved = TrainState.load(tmp_path / "last.pt")
     assert (saved.epoch, saved.global_step, saved.position) == (2, 16, 0)
+    assert (saved.sharded is not None) == (plugin == "fsdp")
 
 
 def _fit_with_zero_under_fault_tolerance() -> str:

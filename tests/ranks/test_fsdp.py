@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit import DDPPlugin, FSDPPlugin, TrainLoop
+from ddpkit import DDPPlugin, FSDPPlugin
 from ddpkit.testing import run_parallel
 from tests.helpers import StopAfter
 from tests.support.sharded import (
@@ -51,8 +51,13 @@ def test_sharded_training_equals_one_process_and_each_rank_holds_its_shard(
     assert held == sum(w.numel() * 4 for w in one_process["weights"].values()), "the shards add up to the model"
     assert results[0]["memory"]["optimizer"] < 0.6 * one_process["memory"]["optimizer"]
     # its state goes to files only: asked for it in memory, every rank refuses (nothing written in the cwd)
-    assert all("a sharded checkpoint, to files only" in r["in_memory"] for r in results)
-    assert one_process["in_memory"] == "given"
+    for rank, result in enumerate(results):  # the state in memory: this rank's shards, put back
+        assert result["in_memory"]["name"] is None
+        assert result["in_memory"]["mark"] == {"rank": rank, "ranks": world_size}
+        assert result["in_memory"]["back"], "the weights and the optimizer state came back"
+        assert 0.0 < result["in_memory"]["held"] <= 0.5, "its shards, not the whole weights"
+    assert sum(r["in_memory"]["held"] for r in results) == pytest.approx(1.0), "the ranks' shards make the weights"
+    assert one_process["in_memory"] == {"name": None, "mark": None, "back": True, "held": 1.0}
 
 
 def test_a_sharded_checkpoint_of_two_ranks_resumes_mid_epoch_on_three(tmp_path: Path, one_process: dict) -> None:
@@ -233,11 +238,6 @@ def _refused(case: str) -> str:
 def test_what_fsdp_cannot_do_is_refused_on_every_rank_with_the_way_out(case: str, words: str) -> None:
     messages = run_parallel(_refused, case, world_size=2, timeout=60)
     assert all(words in message for message in messages), messages
-
-
-def test_fault_tolerance_with_a_sharded_model_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="fault_tolerance with FSDPPlugin"):
-        TrainLoop(nn.Linear(2, 2), [], plugin=FSDPPlugin(), fault_tolerance="torchft", global_batch_size=4)
 
 
 def test_fp16_sharded_skips_a_step_with_an_inf_in_one_ranks_shard_on_every_rank() -> None:

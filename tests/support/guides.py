@@ -34,7 +34,7 @@ def shell_blocks() -> dict[tuple[str, int], str]:
 #: sharded guide's language model is run by tests/e2e/test_sharded.py in float32 (where its bound is checked), the
 #: TrainLoop guide's transformers model by tests/e2e/test_hf_models.py (with the hf extra).
 ELSEWHERE = {("README.md", 0), ("getting-started.md", 0), ("installation.md", 0), ("clusters.md", 1),
-             ("fault-tolerance.md", 3), ("fault-tolerance.md", 4), ("sharded.md", 1), ("trainloop.md", 0)}  # fmt: skip
+             ("fault-tolerance.md", 4), ("fault-tolerance.md", 5), ("sharded.md", 1), ("trainloop.md", 0)}  # fmt: skip
 
 
 #: What a block needs to run on one 2-core machine, by (page, index): ``nodes`` (2: every line that names
@@ -64,7 +64,9 @@ RUNS: dict[tuple[str, int], dict[str, Any]] = {
     ("fault-tolerance.md", 0): {"expect": r"^validation accuracy (0\.[89]\d\d)$", "times": 3, "same": True},
     # two groups of two ranks: each group's rank 0 prints, the same accuracy as the three groups above
     ("fault-tolerance.md", 1): {"expect": r"^validation accuracy (0\.[89]\d\d)$", "times": 2, "same": True},
-    ("fault-tolerance.md", 2): {
+    # the same two groups, each sharding the model over its two ranks
+    ("fault-tolerance.md", 2): {"expect": r"^validation accuracy (0\.[89]\d\d)$", "times": 2, "same": True},
+    ("fault-tolerance.md", 3): {
         "nodes": 2,
         # node001 is the lighthouse's node: 127.0.0.1 and a free port here; 2 ranks a node on 2 cores
         "replace": {"node001:29510": "127.0.0.1:{port}", "-n 4": "-n 2"},

@@ -268,13 +268,27 @@ def fit_sharded(
     }  # fmt: skip
 
 
-def _in_memory(loop: TrainLoop) -> str:
-    """What the plugin says when asked for the state in memory (no directory): its error, or ``"given"``."""
-    try:
-        loop.plugin.checkpoint_state(loop.model, loop.optimizer, None, "in-memory")
-    except ValueError as exc:
-        return str(exc)
-    return "given"
+def _in_memory(loop: TrainLoop) -> dict[str, Any]:
+    """The state in memory (no directory: what a recovering fault-tolerant group's same rank takes), put back after
+    the weights and the optimizer state were zeroed: which part of the weights' elements it holds, its mark, and
+    whether the weights and optimizer state came back."""
+    import copy
+
+    from ddpkit._gradients import local_tensor
+
+    def tensors() -> list[torch.Tensor]:
+        state = [v for values in loop.optimizer.state.values() for v in values.values() if isinstance(v, torch.Tensor)]
+        return [local_tensor(t) for t in [*loop.model.parameters(), *state]]
+
+    weights, optimizer, name = copy.deepcopy(loop.plugin.checkpoint_state(loop.model, loop.optimizer, None, "x"))
+    before = [t.clone() for t in tensors()]
+    with torch.no_grad():
+        for tensor in tensors():
+            tensor.zero_()
+    loop.plugin.load_checkpoint_state(loop.model, loop.optimizer, weights, optimizer, None)
+    held = sum(w.numel() for k, w in weights.items() if k in dict(loop.model.named_parameters()))
+    return {"name": name, "mark": weights.get("@local_shards"), "back": all(map(torch.equal, before, tensors())),
+            "held": held / sum(p.numel() for p in loop.model.parameters())}  # fmt: skip
 
 
 def _run_hooks(model: nn.Module) -> int:

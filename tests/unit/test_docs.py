@@ -132,8 +132,8 @@ def test_every_shell_block_of_the_readme_and_the_guides_is_run_by_a_test() -> No
     from tests.support.guides import _guide_job_script, _guide_mpirun_line
 
     assert _guide_job_script() == blocks["clusters.md", 1]
-    assert _guide_job_script("fault-tolerance.md") == blocks["fault-tolerance.md", 3]
-    assert _guide_mpirun_line() + "\n" == blocks["fault-tolerance.md", 4]
+    assert _guide_job_script("fault-tolerance.md") == blocks["fault-tolerance.md", 4]
+    assert _guide_mpirun_line() + "\n" == blocks["fault-tolerance.md", 5]
     for key, run in RUNS.items():
         for old in run.get("replace", {}):
             assert old in blocks[key], f"{key}: {old!r} is no longer in the block"

@@ -345,3 +345,33 @@ def test_a_group_with_the_secret_and_a_lighthouse_without_it_trains_without_the_
     assert loop.global_step == 4
     assert "answers without the job secret: the lighthouse's process was not given the job's" in caplog.text
     assert "ddpkit lighthouse --secret-file" in caplog.text
+
+
+def test_a_quorum_of_replica_groups_of_different_sizes_ends_the_job_naming_each_groups_ranks() -> None:
+    """Rank r of each group averages its gradients (a sharded model's shards) with rank r of the others: groups of
+    2 and 3 ranks cannot train together. The judge ends the job at once (status 1) naming them, and the record
+    says so for any group that joins later; groups of one size, and a record with no sizes (an older group's),
+    train."""
+    record = Record(ranks=(("g0", 2), ("g1", 3), ("g2", 2)))
+    judge, memory = _judge(record)
+    verdict = judge(_quorum(1, 0, "g0:a", "g1:b"))
+    assert verdict.kind == "end"
+    assert verdict == Verdict(
+        "end", 1, "the job cannot go on: its replica groups have different numbers of ranks (g0 has 2 ranks, g1 has 3 "
+        "ranks): rank r of each group averages its gradients with rank r of the others, so every group needs the "
+        "same number (start every group with the same --group-size, or the same number of processes on every node)"
+    )  # fmt: skip
+    assert memory.record.failed is not None
+    assert memory.record.failed in verdict.why
+    assert _judge(record, replica_groups=2)[0](_quorum(1, 0, "g0:a", "g2:c")) == Verdict("accept")
+    assert _judge(Record(), replica_groups=2)[0](_quorum(1, 0, "g0:a", "g1:b")) == Verdict("accept")
+
+
+def test_a_groups_ranks_are_written_once_and_read_back_from_the_records_bytes() -> None:
+    record = Record().with_ranks("g0", 2)
+    assert record is not None
+    assert record.with_ranks("g0", 2) is None, "unchanged: nothing to write"
+    again = record.with_ranks("g0", 4)
+    assert again is not None
+    assert again.ranks == (("g0", 4),), "a group started again with another size replaces its entry"
+    assert Record.from_bytes(again.with_ranks("g1", 4).to_bytes()).ranks == (("g0", 4), ("g1", 4))  # type: ignore[union-attr]

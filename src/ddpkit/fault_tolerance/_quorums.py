@@ -126,6 +126,10 @@ class QuorumJudge:
         ended = self.ended(record, step)
         if ended is not None:
             return Verdict("end", *ended)
+        uneven = _uneven(record, ids)
+        if uneven is not None:
+            self.record.update(lambda now: None if now.failed or now.finished else replace(now, failed=uneven))
+            return Verdict("end", 1, f"the job cannot go on: {uneven}")
         if record.finished is not None:  # the quorum holds the finished job's state: it trains it further
             finished = record.finished
             self.record.update(lambda now: replace(now, finished=None) if now.finished == finished else None)
@@ -180,6 +184,22 @@ class QuorumJudge:
         if not self._said:
             self._said = line
             log.warning("%s", line)
+
+
+def _uneven(record: Record, ids: list[str]) -> str | None:
+    """Why the quorum's groups cannot train together when the record gives them different numbers of ranks (rank
+    ``r`` of each group averages its gradients, a sharded model's shards, with rank ``r`` of the others), else
+    ``None``."""
+    names = {group_name(i) for i in ids}
+    sizes = {name: ranks for name, ranks in record.ranks if name in names}
+    if len(set(sizes.values())) < 2:
+        return None
+    listed = ", ".join(f"{name} has {ranks} rank{'s' if ranks > 1 else ''}" for name, ranks in sorted(sizes.items()))
+    return (
+        f"its replica groups have different numbers of ranks ({listed}): rank r of each group averages its gradients "
+        "with rank r of the others, so every group needs the same number (start every group with the same "
+        "--group-size, or the same number of processes on every node)"
+    )
 
 
 def committed(step: int) -> int:

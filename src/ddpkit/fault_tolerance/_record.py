@@ -83,6 +83,7 @@ class Record:
         failed: why the job cannot go on, once a quorum found that, else ``None``.
         started: whether the job's first quorum went ahead (every group of the job in it, or its wait over): no
             later quorum waits for the job's groups.
+        ranks: ``(replica id, ranks)`` of each group that joined the job (its rank 0 writes it as it joins).
     """
 
     generation: int = 0
@@ -91,6 +92,13 @@ class Record:
     finished: tuple[int, str] | None = None
     failed: str | None = None
     started: bool = False
+    ranks: tuple[tuple[str, int], ...] = ()
+
+    def with_ranks(self, replica_id: str, ranks: int) -> Record | None:
+        """This record with group ``replica_id`` of ``ranks`` ranks, or ``None`` when it says so already."""
+        if (replica_id, ranks) in self.ranks:
+            return None
+        return replace(self, ranks=(*((name, n) for name, n in self.ranks if name != replica_id), (replica_id, ranks)))
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -103,6 +111,7 @@ class Record:
             int(said["generation"]), int(said["step"]), tuple(str(h) for h in said["holders"]),
             None if finished is None else (int(finished[0]), str(finished[1])),
             None if said.get("failed") is None else str(said["failed"]), bool(said.get("started", False)),
+            tuple((str(name), int(ranks)) for name, ranks in said.get("ranks", ())),
         )  # fmt: skip
 
 

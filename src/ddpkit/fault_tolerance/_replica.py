@@ -185,6 +185,8 @@ class ReplicaGroup:
             ended = QuorumJudge.ended(self._record.read(), step)
             self._judge = QuorumJudge(self._record, replica_id, start=step, replica_groups=replica_groups,
                                       quorum_timeout=quorum_timeout)  # fmt: skip
+            self._record.update(lambda now: now.with_ranks(replica_id, self.ranks))  # the judges compare the groups'
+
         if self.ranks > 1:  # the group's store is rank 0's; so is what the record said
             store, ended = broadcast_object((store, ended) if self.rank == 0 else None, src=0)
         return store, ended
@@ -253,9 +255,16 @@ class ReplicaGroup:
         """
         self._manager.start_quorum()
 
-    def average_gradients(self, parameters: Iterable[nn.Parameter], also: torch.Tensor | None = None) -> bool:
+    def average_gradients(self, parameters: Iterable[nn.Parameter], also: torch.Tensor | None = None, *,
+                          sharded: bool = False, own: int = 0) -> bool:  # fmt: skip
         """Average the gradients of ``parameters`` over the group's ranks (when it has several) and then over the
         quorum's groups: one all-reduce of each per device and dtype; whether it went through.
+
+        ``sharded`` (default ``False``): the gradients are a sharded model's, already averaged over the group's
+        ranks by its reduce-scatter (FSDP's, each rank holding the mean of its shard): each rank averages its
+        shards with the same rank of the other groups (HSDP across replica groups), and only ``also`` is
+        averaged over the group's ranks first, except its first ``own`` numbers (default 0: this rank's own, such
+        as its shards' norms, averaged with the same rank of the other groups only).
 
         A parameter without a gradient counts as zero (and gets one). ``also`` (optional, 1-D floating point,
         shape ``(n,)``: a few numbers such as loss sums) is averaged in place with the first of them, in its
@@ -268,10 +277,15 @@ class ReplicaGroup:
             RuntimeError: another rank of this group failed (torch's error): the group's launcher restarts it.
         """
 
+        riding = [also.numel() - own if also is not None and sharded else 0]  # at the first flat tensor's end
+
         def mean(flat: torch.Tensor) -> bool:
             if self.ranks > 1:  # over this group's ranks first: a rank that died fails it here
-                torch.distributed.all_reduce(flat)
-                flat.div_(self.ranks)
+                own = flat[flat.numel() - riding[0] :] if sharded else flat
+                riding[0] = 0
+                if own.numel():
+                    torch.distributed.all_reduce(own)
+                    own.div_(self.ranks)
             self._manager.allreduce(flat).wait()  # the mean over the participants
             return self._manager.errored() is None
 

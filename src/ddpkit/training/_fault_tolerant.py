@@ -32,7 +32,6 @@ import torch
 
 from ddpkit._failures import StopWithoutRestart
 from ddpkit.checkpoint import rng_state
-from ddpkit.errors import DDPKitError
 from ddpkit.fault_tolerance import ReplicaGroup, TorchFT
 from ddpkit.fault_tolerance._quorums import JobEnded, group_name
 from ddpkit.process_group import get_rank, get_world_size
@@ -49,7 +48,7 @@ from ddpkit.training._driver import (
     Step,
     peak_memory,
 )
-from ddpkit.training._replica_checks import numeric_buffers, weight_norms
+from ddpkit.training._replica_checks import check_same_weights, numeric_buffers, weight_norms
 from ddpkit.training._run import TrainingRun
 from ddpkit.training._state import TrainState
 
@@ -228,15 +227,25 @@ class FaultTolerantSteps:
               ) -> Iterator[Batch]:  # fmt: skip
         """The batches of this rank's share of participant ``index``'s share of ``step`` (dataset indices from
         position ``low`` of ``epoch``) among ``participants``; none for ``None``. Each batch's loss (a mean
-        over its items) is scaled by ``items * W / step items`` (``W``: every rank of every participant)."""
+        over its items) is scaled by ``items * W / step items`` (``W``: every rank of every participant).
+
+        A sharded model (every forward a collective of the group's ranks) runs as many batches on each rank of
+        the group as its rank 0 (which has the most), the missing ones counting nothing, and the last one's
+        backward reduce-scatters the gradients over the group's ranks."""
         if index is None:
             return
         workers, worker = participants * self.ranks, index * self.ranks + self.rank  # this rank as a worker
         chunks = shares(step, workers, worker, self.batch_size)
         loaded = self.data.share(epoch, low, workers, worker)
+        together = self.loop.plugin.forwards_together
+        count = len(shares(step, workers, index * self.ranks, self.batch_size)) if together else len(chunks)
         for number, (chunk, data) in enumerate(zip(chunks, loaded, strict=True)):
             seed = batch_seed(self.loop.seed, epoch, first_position(low, workers, worker, number, self.batch_size))
-            yield Batch(data, 1.0 / step_divisor(len(step), len(chunk), workers), seed=seed, index=low // self.size)
+            yield Batch(data, 1.0 / step_divisor(len(step), len(chunk), workers), seed=seed,
+                        synced=together and number == count - 1, index=low // self.size)  # fmt: skip
+        for number in range(len(chunks), count):  # a sharded model's: batches that count nothing
+            yield Batch(self.run.epochs.source.first_batch(), 0.0, 0.0, synced=number == count - 1,
+                        index=low // self.size)  # fmt: skip
 
     def commit(self, group: ReplicaGroup, step: _QuorumStep) -> CommittedStep | NotCommitted:
         """Average ``step``'s gradients over the quorum's participants with what rides with them, and commit;
@@ -245,37 +254,20 @@ class FaultTolerantSteps:
         participants, index = step.deal
         own = weight_norms(model) if index is not None else [0.0, 0.0]
         buffers = numeric_buffers(model)
-        # The loss sums, the tokens, the weights' norms, SLURM's signals, each group's time per batch of loading
-        # and forward (in its slot: the quorum's names, sorted) and the buffers (BatchNorm's statistics) ride with
-        # the gradients: one tensor made from numbers on the host, and the buffers.
         members = self._members  # the quorum's names, sorted (noted when its batches were dealt)
-        times = [0.0] * len(members)
-        if index is not None and self.settings.replica_id in members:
-            times[members.index(self.settings.replica_id)] = step.busy / max(1, step.trained)
-        flags = loop.preemption.received_flags()
-        # The step's one read: torchft's commit waits for the step's collectives anyway.
-        counted = step.sums
-        tokens = step.counted.tokens
-        if isinstance(tokens, torch.Tensor):
-            counted = torch.cat([counted, tokens.to(counted.device).reshape(1)])
-        sums = counted.cpu().tolist()
-        if not isinstance(tokens, torch.Tensor):
-            sums.append(tokens)
-        head = torch.tensor([*sums, *own, *flags.tolist(), *times], dtype=torch.float64)
-        mine = [b.detach().reshape(-1).double().cpu() for b in buffers] if index is not None else []
-        if index is None and buffers:  # a recovering group adds zeros
-            mine = [torch.zeros(sum(b.numel() for b in buffers), dtype=torch.float64)]
-        riding = torch.cat([head, *mine]) if mine else head
+        riding, head = self._riding(step, own, buffers)
         # Views of riding: their means over the participants once it has been averaged.
-        mean_sums, mean_tokens, mean_norms, mean_flags, mean_times, mean_buffers = torch.split(
-            riding, [2, 1, 2, 2, len(members), riding.numel() - head.numel()]
+        mean_norms, mean_sums, mean_tokens, mean_flags, mean_times, mean_buffers = torch.split(
+            riding, [2, 2, 1, 2, len(members), riding.numel() - head]
         )
         job_sums, job_tokens = torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
-        if group.average_gradients(model.parameters(), also=riding):
+        # A sharded model's norms are this rank's shards': compared with the same rank of the other groups only.
+        sharded = loop.plugin.forwards_together
+        if group.average_gradients(model.parameters(), also=riding, sharded=sharded, own=2 if sharded else 0):
             job_sums = mean_sums * (participants * self.ranks)  # their mean over every rank of them -> their sum
             job_tokens = mean_tokens * (participants * self.ranks)
             if index is not None:
-                self._check_same_weights(own, mean_norms, state.global_step + 1)
+                check_same_weights(str(self.settings.replica_id), own, mean_norms, state.global_step + 1)
         if not group.commit():  # a recovering group takes its peer's state in it (load_state_dict)
             loop.optimizer.zero_grad(set_to_none=True)
             state.failed_steps += 1
@@ -302,24 +294,29 @@ class FaultTolerantSteps:
         job = LossSums.summed(loss_sum, items, float(job_tokens[0]))  # the epoch's totals count these
         return CommittedStep(self.position, step.counted, signal, {"replica_groups": float(participants)}, job)
 
-    def _check_same_weights(self, own: list[float], mean: torch.Tensor, step: int) -> None:
-        """Raise when this group's weights are not the quorum's: ``own`` (this group's L1 norm and squared L2
-        norm of its parameters) against their ``mean`` over the participants (float32 after the all-reduce).
-
-        Raises:
-            DDPKitError: they differ by more than 1e-5 (relative); every group of the quorum raises.
-        """
-        means = mean.tolist()
-        own32 = torch.tensor(own, dtype=torch.float32).tolist()  # as the all-reduce carried them
-        if all(abs(m - o) <= 1e-5 * max(abs(o), 1.0) for m, o in zip(means, own32, strict=True)):
-            return
-        raise DDPKitError(
-            f"replica group {self.settings.replica_id}: its weights are not the other groups' at step {step} (L1 "
-            f"norm {own[0]:.8g} and squared L2 norm {own[1]:.8g}; their mean over the quorum "
-            f"{means[0]:.8g} and {means[1]:.8g}): the groups no longer train one model and the result "
-            "would not be that of one process, so every group stops here. Restart the job from its last "
-            "checkpoint, and please report this as a bug of ddpkit's fault tolerance"
-        )
+    def _riding(self, step: _QuorumStep, own: list[float], buffers: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """What rides with ``step``'s gradients, one float64 tensor, and the length of its head: the weights' norms
+        ``own``, the loss sums, the tokens, SLURM's signals, each group's time per batch of loading and forward (in
+        its slot: the quorum's names, sorted); then the ``buffers`` (BatchNorm's statistics; zeros from a
+        recovering group). Made from numbers on the host, and the buffers."""
+        loop, index, members = self.loop, step.deal[1], self._members
+        times = [0.0] * len(members)
+        if index is not None and self.settings.replica_id in members:
+            times[members.index(self.settings.replica_id)] = step.busy / max(1, step.trained)
+        flags = loop.preemption.received_flags()
+        # The step's one read: torchft's commit waits for the step's collectives anyway.
+        counted = step.sums
+        tokens = step.counted.tokens
+        if isinstance(tokens, torch.Tensor):
+            counted = torch.cat([counted, tokens.to(counted.device).reshape(1)])
+        sums = counted.cpu().tolist()
+        if not isinstance(tokens, torch.Tensor):
+            sums.append(tokens)
+        head = torch.tensor([*own, *sums, *flags.tolist(), *times], dtype=torch.float64)
+        mine = [b.detach().reshape(-1).double().cpu() for b in buffers] if index is not None else []
+        if index is None and buffers:  # a recovering group adds zeros
+            mine = [torch.zeros(sum(b.numel() for b in buffers), dtype=torch.float64)]
+        return (torch.cat([head, *mine]) if mine else head), head.numel()
 
     def _note_members(self, processes: tuple[str, ...], step: int) -> None:
         """Log who left, joined or was started again since the last step's quorum, in one line (``processes``:

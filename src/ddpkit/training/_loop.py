@@ -156,8 +156,11 @@ class TrainLoop(StepMethods, RunsElsewhere):
             process's process group (``ddpkit run --fault-tolerance -n 4
             --group-size 2``: two groups of two ranks; each step's share of a
             group is dealt over its ranks and averaged over them, then over the
-            quorum). Start the groups with :meth:`fit_distributed` or ``ddpkit run
-            --fault-tolerance``.
+            quorum). With ``plugin=FSDPPlugin()`` each group shards the model over
+            its own ranks and rank ``r`` of each group averages its gradient shards
+            with rank ``r`` of the others (HSDP across replica groups; every group
+            needs the same number of ranks). Start the groups with
+            :meth:`fit_distributed` or ``ddpkit run --fault-tolerance``.
         tokens_fn: what a token is: a callable that takes a batch (on the
             device, as ``training_step`` gets it) and returns its number of
             tokens, an ``int`` or a tensor (``batch["attention_mask"].sum()``:
@@ -261,12 +264,6 @@ class TrainLoop(StepMethods, RunsElsewhere):
         self.default_steps = DefaultSteps(criterion is not None, metrics)
         self.device = torch.device(device) if device is not None else rank_device()
         self.plugin = plugin if plugin is not None else DDPPlugin()
-        if self.fault_tolerance is not None and self.plugin.forwards_together:
-            raise ValueError(
-                f"fault_tolerance with {type(self.plugin).__name__}: a sharded model's replica groups are not "
-                "supported yet (each group would shard over its own ranks and average its gradient shards across "
-                "the quorum); train a sharded model without fault_tolerance, or use DDPPlugin with it"
-            )
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.checkpoint_async = checkpoint_async

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from ddpkit._gradients import local_tensor
 from ddpkit._torch_private import private
+from ddpkit.errors import DDPKitError
 
-__all__ = ["numeric_buffers", "weight_norms"]
+__all__ = ["check_same_weights", "numeric_buffers", "weight_norms"]
 
 
 def numeric_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -18,10 +20,12 @@ def numeric_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def weight_norms(model: torch.nn.Module) -> list[float]:
     """The L1 norm and the squared L2 norm of ``model``'s parameters (each parameter's norms in its dtype, summed in
-    float64; both orders' norms in one ``stack`` per device, read back once)."""
+    float64; both orders' norms in one ``stack`` per device, read back once). A sharded parameter counts as
+    its local shard: compared with the same rank of the other replica groups, which holds the same shard."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for parameter in model.parameters():
-        per_device.setdefault(parameter.device, []).append(parameter.detach())
+        local = local_tensor(parameter.detach())
+        per_device.setdefault(local.device, []).append(local)
     l1 = l2 = 0.0
     foreach_norm = private("foreach_norm")
     with torch.no_grad():
@@ -31,3 +35,24 @@ def weight_norms(model: torch.nn.Module) -> list[float]:
             sums = torch.stack([norms[:count].sum(), norms[count:].square().sum()]).tolist()
             l1, l2 = l1 + sums[0], l2 + sums[1]
     return [l1, l2]
+
+
+def check_same_weights(replica_id: str, own: list[float], mean: torch.Tensor, step: int) -> None:
+    """Raise when replica group ``replica_id``'s weights are not the quorum's at ``step``: ``own`` (the L1 norm and
+    squared L2 norm of this rank's parameters, or of its shards) against their ``mean`` over the same rank of the
+    participants (float32 after the all-reduce).
+
+    Raises:
+        DDPKitError: they differ by more than 1e-5 (relative); every group of the quorum raises.
+    """
+    means = mean.tolist()
+    own32 = torch.tensor(own, dtype=torch.float32).tolist()  # as the all-reduce carried them
+    if all(abs(m - o) <= 1e-5 * max(abs(o), 1.0) for m, o in zip(means, own32, strict=True)):
+        return
+    raise DDPKitError(
+        f"replica group {replica_id}: its weights are not the other groups' at step {step} (L1 "
+        f"norm {own[0]:.8g} and squared L2 norm {own[1]:.8g}; their mean over the quorum "
+        f"{means[0]:.8g} and {means[1]:.8g}): the groups no longer train one model and the result "
+        "would not be that of one process, so every group stops here. Restart the job from its last "
+        "checkpoint, and please report this as a bug of ddpkit's fault tolerance"
+    )
