@@ -10,8 +10,9 @@
 #    suite), `ddpkit demo` and `ddpkit doctor` on the GPU, and the bench rows on CUDA with their targets
 #    (uneven gather and scalar mean against raw NCCL, the DDP step, the hang watchdog's cost on a CUDA step), and a
 #    TrainLoop step under CUDA's sync debug mode at "error" (no step waits for the GPU), a
-#    fault-tolerant TrainLoop of two torchft replica groups on the GPU against one process's weights, and (with
-#    2 GPUs or more) two replica groups of 2 ranks each under `ddpkit run --fault-tolerance --group-size 2`.
+#    fault-tolerant TrainLoop of two torchft replica groups on the GPU against one process's weights, two groups
+#    that each shard the model (FSDPPlugin), and (with 2 GPUs or more) two replica groups of 2 ranks each under
+#    `ddpkit run --fault-tolerance --group-size 2`, DDP and sharded.
 # Every step runs even when one before it failed; the exit status is 1 if any failed. Nothing here is CI:
 # CI has no GPU and skips the CUDA tests.
 set -uo pipefail
@@ -69,9 +70,13 @@ step doctor "$PY" -m ddpkit doctor -n 1
 step bench-collectives "$PY" bench/collectives.py --device cuda
 step bench-ddp-step "$PY" bench/ddp_step.py --device cuda
 step bench-watchdog "$PY" bench/watchdog.py --device cuda --blocks 20
+# Two replica groups of one rank, each sharding the model (FSDP2 on CUDA; the groups share the one GPU).
+step ft-sharded "$PY" -m ddpkit run --fault-tolerance -n 2 examples/fault_tolerant.py --sharded
 # Two replica groups of 2 ranks (NCCL inside each group, torchft's gloo between them): 2 GPUs at least.
 if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)" -ge 2 ]; then
     step ft-groups-of-two "$PY" -m ddpkit run --fault-tolerance -n 4 --group-size 2 examples/fault_tolerant.py
+    step ft-sharded-groups-of-two "$PY" -m ddpkit run --fault-tolerance -n 4 --group-size 2 \
+        examples/fault_tolerant.py --sharded
 else
     say ""
     say "=== ft-groups-of-two: skipped (a replica group of 2 ranks needs 2 GPUs: NCCL runs one rank per GPU)"

@@ -468,13 +468,18 @@ def test_replica_groups_of_two_ranks_lose_a_rank_restart_that_group_and_end_as_o
 
 @pytest.mark.netns
 @pytest.mark.timeout(330)
-def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ranks_and_heals(tmp_path: Path) -> None:
+@pytest.mark.parametrize("plugin", ["ddp", "fsdp"])
+def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ranks_and_heals(
+    plugin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two "nodes" (test addresses 10.77.0.1 and 10.77.0.2 in a network namespace of the test's own), each
     `ddpkit run --fault-tolerance --nnodes 2 -n 2 --rdzv-endpoint 10.77.0.1:29510 --secret-file F`: node-a serves
     the lighthouse. Both ranks of node-b SIGKILL themselves in step 30 (epoch 1), then rank 1 of node-a in step 52
     (epoch 2): each time the group's agent restarts its ranks and they heal from the other node's group, which
     keeps its processes and commits within NEXT_COMMIT_S (4 s). Every item once per epoch; every rank's weights
-    within 1e-5 of one process; every listener on a test address or loopback."""
+    (with FSDPPlugin, each node's group sharding the model over its two ranks: each group's whole weights) within
+    1e-5 of one process; every listener on a test address or loopback."""
+    monkeypatch.setenv("FT_PLUGIN", plugin)
     result = in_a_namespace("", tmp_path, module="tests.e2e.netns_ft_nodes", timeout=320)
     logs = "\n".join(result["logs"])
     assert result["codes"] == [0, 0], logs[-4000:]
@@ -505,7 +510,8 @@ def test_one_command_per_node_makes_each_node_a_replica_group_that_loses_its_ran
             assert len({r["pid"] for r in _steps([out])}) == 2, f"{out.name} was not started again"
             back = next(r for r in _steps([out]) if r["t"] > killed)["step"]
             assert back >= step, f"{out.name} started over at step {back} instead of taking its peer's state"
-    _check_every_item_once_per_epoch_and_the_weights_of_one_process(node_a + node_b, node_a + node_b)
+    finals = node_a + node_b if plugin == "ddp" else [node_a[0], node_b[0]]  # sharded: rank 0 saves the whole
+    _check_every_item_once_per_epoch_and_the_weights_of_one_process(node_a + node_b, finals)
 
 
 @pytest.mark.netns

@@ -63,3 +63,25 @@ def test_sharded_replica_groups_lose_a_rank_heal_from_their_peer_and_end_as_one_
         weights = torch.load(copy / "weights.pt")
         off = max(float((weights[k] - expected[k]).abs().max()) for k in expected)
         assert off < 1e-5, f"{name}: {off:.2e} from one process trained {EPOCHS + 1} epochs"
+
+
+@pytest.mark.timeout(180)
+def test_fit_distributed_with_fault_tolerance_and_fsdp_hands_back_one_processs_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`loop.fit_distributed(3, num_processes=2)` with `fault_tolerance` and `FSDPPlugin()`: two groups of one
+    rank (each shards the model over its one rank). This process gets back plain weights within 1e-5 of one
+    process's, every item once per epoch."""
+    from ddpkit.fault_tolerance import TorchFT
+    from tests.e2e.ft_trainloop import StepLog
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("RUST_LOG", "warn")
+    loop = build_loop(TorchFT(timeout=10.0, quorum_timeout=30.0), sharded=True)
+    loop.out, loop.folder = str(tmp_path), True
+    history = loop.fit_distributed(EPOCHS, num_processes=2, callbacks=[StepLog(0.0)])
+    weights = loop.model.state_dict()
+    assert {type(value) for value in weights.values()} == {torch.Tensor}, "plain tensors, gathered whole"
+    torch.save(weights, tmp_path / "fit.pt")
+    (tmp_path / "fit.json").write_text(json.dumps(history))
+    check_against_one_process([tmp_path / f"group-{i}" for i in range(2)], [tmp_path / "fit"])
