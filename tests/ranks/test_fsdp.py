@@ -296,3 +296,35 @@ def test_a_compiled_sharded_model_trains_as_one_process() -> None:
     compiled = run_parallel(fit_sharded, 1, compile={"backend": "aot_eager"}, world_size=2, timeout=300)[0]
     assert max_difference(compiled["weights"], single["weights"]) < TOLERANCE
     assert compiled["run_hooks"] == 0, "the fit left its forward counter on the model"
+
+
+def _shards_while_a_unit_computes() -> dict[str, bool]:
+    """A rank's state in memory (what torchft reads in another thread while the model computes) taken inside a
+    unit's forward, where FSDP has put the unit's whole weights in its modules, against the same taken between
+    steps: whether it is the same shards, and whether the modules held whole weights then (else the test proves
+    nothing)."""
+    plugin, model = FSDPPlugin(), Stack()
+    plugin.configure_ddp(model, None)
+    optimizer = plugin.shard_optimizer(torch.optim.Adam(model.parameters()))
+    between, _, _ = plugin.checkpoint_state(model, optimizer, None, "between")
+    inside: dict[str, object] = {}
+
+    def take(module: nn.Module, args: object) -> None:
+        inside["state"] = plugin.checkpoint_state(model, optimizer, None, "inside")[0]
+        inside["whole"] = type(module.weight).__name__ != "DTensor"
+
+    hook = model.blocks[1].mlp[0].register_forward_pre_hook(take)  # inside the unit blocks[1], as it computes
+    model(torch.zeros(2, 8, 8)).sum().backward()
+    hook.remove()
+    state = inside["state"]
+    assert isinstance(state, dict)
+    same = all(torch.equal(state[name], value) for name, value in between.items() if name != "@local_shards")
+    return {"same": same and state.keys() == between.keys(), "whole": bool(inside["whole"])}
+
+
+def test_a_ranks_state_in_memory_is_its_shards_even_while_a_unit_computes() -> None:
+    """torchft reads a healthy replica group's state in another thread while the group's forward runs: the state
+    comes from the sharded parameters, not from the modules, which hold a computing unit's whole weights."""
+    results = run_parallel(_shards_while_a_unit_computes, world_size=2, timeout=60)
+    assert all(r["whole"] for r in results), "FSDP put the unit's whole weights in its modules (else nothing tested)"
+    assert all(r["same"] for r in results), results
