@@ -344,12 +344,14 @@ def test_the_log_names_who_left_who_joined_and_who_came_back_as_a_new_process(
 
     from ddpkit.training._fault_tolerant import FaultTolerantSteps
 
-    fit = SimpleNamespace(settings=TorchFT(replica_id="group-0"), _processes=(), _members=())
+    fit = SimpleNamespace(settings=TorchFT(replica_id="group-0"), _processes=(), _members=(), rank=0)
+    other_rank = SimpleNamespace(settings=TorchFT(replica_id="group-0"), _processes=(), _members=(), rank=1)
     steps = [("group-0:a", "group-1:b", "group-2:c"), ("group-0:a", "group-1:d", "group-2:c"),
              ("group-0:a", "group-2:c"), ("group-0:a", "group-2:c", "group-3:e")]  # fmt: skip
     with caplog.at_level("WARNING", logger="ddpkit.training._fault_tolerant"):
         for step, processes in enumerate(steps):
             FaultTolerantSteps._note_members(fit, processes, step)  # type: ignore[arg-type]
+            FaultTolerantSteps._note_members(other_rank, processes, step)  # type: ignore[arg-type]  # says nothing
     assert [record.getMessage() for record in caplog.records] == [
         "replica group group-0 at step 2: group-1 came back as a new process (it had died); the quorum is now "
         "group-0, group-1, group-2",
@@ -357,7 +359,7 @@ def test_the_log_names_who_left_who_joined_and_who_came_back_as_a_new_process(
         "the quorum is now group-0, group-2",
         "replica group group-0 at step 4: group-3 joined; the quorum is now group-0, group-2, group-3",
     ]
-    assert fit._members == ("group-0", "group-2", "group-3")
+    assert fit._members == other_rank._members == ("group-0", "group-2", "group-3")
 
 
 def test_torchfts_tracebacks_go_to_debug_and_a_failed_step_keeps_its_cause_in_one_line(

@@ -319,11 +319,11 @@ class FaultTolerantSteps:
         return (torch.cat([head, *mine]) if mine else head), head.numel()
 
     def _note_members(self, processes: tuple[str, ...], step: int) -> None:
-        """Log who left, joined or was started again since the last step's quorum, in one line (``processes``:
-        the quorum's ``NAME:uuid`` ids, a new uuid for each process of a group)."""
+        """Log who left, joined or was started again since the last step's quorum, in one line from the group's
+        rank 0 (``processes``: the quorum's ``NAME:uuid`` ids, a new uuid for each process of a group)."""
         now = {group_name(process): process for process in processes}
         before = {group_name(process): process for process in self._processes}
-        if before and now != before:
+        if before and now != before and self.rank == 0:
             left, joined = sorted(set(before) - set(now)), sorted(set(now) - set(before))
             again = sorted(name for name in set(now) & set(before) if now[name] != before[name])
             events = [
