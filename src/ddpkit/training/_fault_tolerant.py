@@ -202,6 +202,7 @@ class FaultTolerantSteps:
         assert self._group is not None, "FaultTolerantSteps.epoch outside its with block"
         self.position, self._budget = position, budget
         self._times = {}
+        self.loop.optimizer.zero_grad(set_to_none=True)  # then each step leaves none (taken, or not committed)
         while self.position < len(self._order(self.loop.state.epoch)):
             yield _QuorumStep(self, self._group)
 
@@ -356,7 +357,7 @@ class _QuorumStep(Step):
         group.start_step()  # the quorum forms while this group computes the share it had in the last step
         epoch, low = state.epoch, driver.position
         items = driver._order(epoch)[low : low + driver.size]
-        loop.optimizer.zero_grad(set_to_none=True)
+        # No zero_grad: the epoch began with none, and every step leaves none (taken, not committed, the first).
         guess = driver.last_deal
         if guess is not None:
             yield from driver.share(items, epoch, low, *guess)
