@@ -65,6 +65,8 @@ class StepMetrics(Mapping[str, float]):
 
 
 _NO_METRICS = StepMetrics()  # a step that measured nothing else (it never changes: nothing to read)
+#: Batch losses counted before they are added to the epoch's loss sum at once (a step's own cost stays a list append).
+_PENDING = 256
 
 
 @dataclass
@@ -110,6 +112,7 @@ class RunState:
     # The epoch's loss sum (0-d float64 on the losses' device, None before a loss) and item count, and the last
     # step's sums: epoch_sums and step_loss, made when asked for.
     _epoch_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _pending: list[tuple[torch.Tensor, float]] = field(default_factory=list, init=False, repr=False)  # not added yet
     _epoch_items: float = field(default=0.0, init=False, repr=False)
     _last_step: LossSums = field(default_factory=LossSums, init=False, repr=False)
     # The epoch's tokens (a float, or a float64 tensor on the device: the loop's tokens_fn), as _epoch_items.
@@ -125,6 +128,7 @@ class RunState:
     def epoch_sums(self) -> torch.Tensor:
         """``(2,)`` float64: this rank's loss sum and sample count in the steps it took in the epoch since it
         began or resumed, on the device of its losses (CPU before one)."""
+        self._add_pending()
         sums = torch.zeros(2, dtype=torch.float64, device=None if self._epoch_loss is None else self._epoch_loss.device)
         if self._epoch_loss is not None:
             sums[0].copy_(self._epoch_loss)
@@ -148,12 +152,29 @@ class RunState:
     def reset_epoch_sums(self) -> None:
         """Forget the epoch's loss sums (:attr:`epoch_sums` becomes zeros)."""
         self._epoch_loss, self._epoch_items, self._epoch_tokens = None, 0.0, 0.0
+        self._pending = []
+
+    def _add_pending(self) -> None:
+        """Add the batch losses counted since the last call to the epoch's loss sum, each times its items: the losses
+        of one item count (dtype, device) stacked and summed at once, three tensor operations for up to :data:`_PENDING`
+        batches (a step adds none of its own; nothing is copied to or read from the device)."""
+        if not self._pending:
+            return
+        alike: dict[tuple[float, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+        for loss, items in self._pending:
+            alike[items, loss.dtype, loss.device].append(loss)
+        self._pending = []
+        for (items, _, _), losses in alike.items():
+            if self._epoch_loss is None:
+                self._epoch_loss = torch.zeros((), dtype=torch.float64, device=losses[0].device)
+            self._epoch_loss.add_(torch.stack(losses).sum(dtype=torch.float64), alpha=items)
 
     def count_step(
         self, sums: LossSums, taken: bool = True, job_sums: LossSums | None = None, **metrics: float | torch.Tensor
     ) -> None:
         """Count an optimizer step (``taken``: not skipped by fp16's scaler) whose loss sum and sample count on
-        this rank were ``sums`` (nothing is read back to the host; one tensor operation a batch):
+        this rank were ``sums`` (nothing is read back to the host; its losses are added to the epoch's by the
+        hundred):
         :attr:`step_loss` becomes them, :attr:`step_metrics` ``metrics`` (a tensor among them is read when a
         callback asks for it). The epoch's sums (:attr:`epoch_sums`, :attr:`epoch_tokens`) add ``job_sums``
         where the step has them (every replica group's, under fault tolerance), else ``sums``."""
@@ -162,10 +183,9 @@ class RunState:
         self.step_metrics = StepMetrics(metrics) if metrics else _NO_METRICS
         self._last_step = sums
         counted = sums if job_sums is None else job_sums
-        if counted.losses:
-            if self._epoch_loss is None:
-                self._epoch_loss = torch.zeros((), dtype=torch.float64, device=counted.losses[0][0].device)
-            counted.add_loss_to(self._epoch_loss)
+        self._pending.extend(counted.losses)
+        if len(self._pending) >= _PENDING:
+            self._add_pending()
         self._epoch_items += counted.items
         if not isinstance(counted.tokens, float) or counted.tokens:
             self._epoch_tokens = self._epoch_tokens + counted.tokens
