@@ -3,6 +3,7 @@
     .venv/bin/python tools/chaos.py                       # seeds 1-20, 3 replica groups
     .venv/bin/python tools/chaos.py --seeds 21-30 --groups 4
     .venv/bin/python tools/chaos.py --seeds 1-3 --group-size 2   # groups of 2 ranks
+    CHAOS_PLUGIN=fsdp .venv/bin/python tools/chaos.py --seeds 1-3 --group-size 2   # groups that shard the model
     .venv/bin/python tools/chaos.py --keep /tmp/chaos     # keep each run's folder (logs, output) there
 
 Each seed runs ``ddpkit run --fault-tolerance -n GROUPS`` on the digits classifier (6 epochs, global batch 64) while

@@ -58,7 +58,9 @@ def main(out: str, epochs: int, delay: float, checkpoint_dir: str | None) -> Non
     if checkpoint_dir is not None:
         loop.checkpoint_dir, loop.checkpoint_every = Path(checkpoint_dir), 5
     history = loop.fit(epochs, callbacks=[CommitLog(delay)])
-    torch.save(loop.model.state_dict(), f"{base}.pt")
+    weights = loop.full_state_dict()  # every rank; a sharded model's: its group's rank 0 gets them
+    if weights:
+        torch.save(weights, f"{base}.pt")
     Path(f"{base}.json").write_text(json.dumps(history))
     loop.write({"end": time.time(), "pid": os.getpid()})
 

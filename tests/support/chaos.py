@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpkit import TrainLoop
+from ddpkit import FSDPPlugin, TrainLoop
 from ddpkit._trust.secret import write_secret_file
 from ddpkit.examples.demo import build_model
 from ddpkit.examples.digits import digits_datasets
@@ -74,7 +74,8 @@ class ChaosLoop(TrainLoop):
 
 
 def chaos_loop(fault_tolerant: bool) -> ChaosLoop:
-    """The same loop in every group and in the one-process reference run (weights, order, optimizer)."""
+    """The same loop in every group and in the one-process reference run (weights, order, optimizer); with
+    ``$CHAOS_PLUGIN=fsdp`` each group shards the model over its ranks (``FSDPPlugin()``)."""
     train_set, val_set = digits_datasets(seed=0)
     images, labels = train_set.tensors
     indexed = TensorDataset(images, labels, torch.arange(len(labels)))
@@ -84,6 +85,7 @@ def chaos_loop(fault_tolerant: bool) -> ChaosLoop:
         model, DataLoader(indexed, batch_size=BATCH, shuffle=True), DataLoader(val_set, batch_size=100),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), global_batch_size=GLOBAL_BATCH,
         progress=False, fault_tolerance=TorchFT(timeout=5.0, quorum_timeout=30.0) if fault_tolerant else None,
+        plugin=FSDPPlugin() if fault_tolerant and os.environ.get("CHAOS_PLUGIN") == "fsdp" else None,
     )  # fmt: skip
 
 

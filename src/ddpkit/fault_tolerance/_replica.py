@@ -185,8 +185,7 @@ class ReplicaGroup:
             ended = QuorumJudge.ended(self._record.read(), step)
             self._judge = QuorumJudge(self._record, replica_id, start=step, replica_groups=replica_groups,
                                       quorum_timeout=quorum_timeout)  # fmt: skip
-            self._record.update(lambda now: now.with_ranks(replica_id, self.ranks))  # the judges compare the groups'
-
+            self._record.update(lambda now: now.with_ranks(replica_id, self.ranks))  # the judges compare sizes
         if self.ranks > 1:  # the group's store is rank 0's; so is what the record said
             store, ended = broadcast_object((store, ended) if self.rank == 0 else None, src=0)
         return store, ended
@@ -281,11 +280,11 @@ class ReplicaGroup:
 
         def mean(flat: torch.Tensor) -> bool:
             if self.ranks > 1:  # over this group's ranks first: a rank that died fails it here
-                own = flat[flat.numel() - riding[0] :] if sharded else flat
+                part = flat[flat.numel() - riding[0] :] if sharded else flat  # sharded: what rides alone
                 riding[0] = 0
-                if own.numel():
-                    torch.distributed.all_reduce(own)
-                    own.div_(self.ranks)
+                if part.numel():
+                    torch.distributed.all_reduce(part)
+                    part.div_(self.ranks)
             self._manager.allreduce(flat).wait()  # the mean over the participants
             return self._manager.errored() is None
 
