@@ -129,12 +129,12 @@ def _forge(port: int) -> dict[str, Any]:
     """Add a node to the signed state, keeping its signature (a stranger cannot make a new one)."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
-    from ddpkit.jobs._rendezvous import _DIGEST, _SIGNED
+    from ddpkit._trust.secret import SIGNED_HEADER_BYTES, SIGNED_MARK
 
     store = _store(port)
     stored = base64.b64decode(store.get(KEY))
-    assert stored.startswith(_SIGNED), "the job's state is signed"
-    at = len(_SIGNED) + _DIGEST + 8  # marker, signature, counter
+    assert stored.startswith(SIGNED_MARK), "the job's state is signed"
+    at = SIGNED_HEADER_BYTES + 8  # mark, version, signature, counter
     head, state = stored[:at], pickle.loads(stored[at:])
     stranger = _NodeDesc(HOST, 4242, 0)
     state.participants[stranger] = len(state.participants)
@@ -187,7 +187,7 @@ def _real_master(port: int) -> tuple[str, int]:
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from ddpkit.jobs._rendezvous import _DIGEST, _SIGNED_VALUE
+    from ddpkit._trust.secret import SIGNED_HEADER_BYTES
 
     store = TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60))
     deadline = time.monotonic() + 60
@@ -195,7 +195,7 @@ def _real_master(port: int) -> tuple[str, int]:
         for round_ in range(4):
             key, port_key = f"{KEY}.{round_}/MASTER_ADDR", f"{KEY}.{round_}/MASTER_PORT"
             if store.check([key, port_key]):
-                at = len(_SIGNED_VALUE) + _DIGEST
+                at = SIGNED_HEADER_BYTES
                 return bytes(store.get(key))[at:].decode(), int(bytes(store.get(port_key))[at:])
         time.sleep(0.05)
     raise RuntimeError("no MASTER_ADDR in the rendezvous store")

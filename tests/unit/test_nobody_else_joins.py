@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ddpkit import GroupProofError
-from ddpkit._trust.secret import use_job_secret
+from ddpkit._trust.secret import SIGNED_MARK, use_job_secret
 from ddpkit.jobs import _rendezvous
 from tests.helpers import JOB_SECRET, OTHER_SECRET, rendezvous_handler, state_holder
 
@@ -46,7 +46,7 @@ def test_every_key_of_a_round_is_signed_and_one_a_stranger_wrote_is_refused(monk
     round_store = info.store
     round_ = handler._state_holder.state.round
     raw = f"torch.rendezvous.job.{round_}/MASTER_ADDR"
-    assert bytes(store.get(raw)).startswith(_rendezvous._SIGNED_VALUE), "what torch's agent wrote is signed"
+    assert bytes(store.get(raw)).startswith(SIGNED_MARK), "what torch's agent wrote is signed"
     assert round_store.get("MASTER_ADDR").decode() == info.bootstrap_store_info.master_addr
     port_key = f"torch.rendezvous.job.{round_}/MASTER_PORT"
     assert int(round_store.get("MASTER_PORT")) == info.bootstrap_store_info.master_port
@@ -194,11 +194,12 @@ _GLOO_ADDRESS = bytes.fromhex(
 
 def test_the_address_in_a_members_store_value_is_read_from_gloos_layout_not_from_its_padding() -> None:
     from ddpkit._trust.group_store import gloo_address, member_address
-    from ddpkit._trust.secret import DIGEST_BYTES
+    from ddpkit._trust.secret import sign
 
     assert gloo_address(_GLOO_ADDRESS) == "127.0.0.1:35779"
     assert member_address(_GLOO_ADDRESS) == "127.0.0.1:35779", "a stranger's own, unsigned"
-    assert member_address(os.urandom(DIGEST_BYTES) + _GLOO_ADDRESS) == "127.0.0.1:35779", "signed with another secret"
+    signed = sign(os.urandom(32), "ddpkit group store", _GLOO_ADDRESS, "group", "key")
+    assert member_address(signed) == "127.0.0.1:35779", "signed with another secret"
     earlier = _GLOO_ADDRESS[18 : 18 + 136]  # the sockaddr_storage first, as gloo wrote it before torch 2.13
     assert gloo_address(earlier) == "127.0.0.1:35779"
     assert gloo_address(b"not an address") == ""

@@ -26,6 +26,7 @@ from ddpkit import (
     init_dist_connection,
 )
 from ddpkit._stores import local_addresses, release_store, route_address, serve_store
+from ddpkit._trust.secret import SIGNED_HEADER_BYTES
 from ddpkit.environments import LocalEnvironment
 from ddpkit.jobs import _rendezvous
 from ddpkit.jobs._agent import rendezvous
@@ -133,7 +134,7 @@ def test_a_rendezvous_of_real_agents_passes_the_check(
     stored = rendezvous_store.get("torch.rendezvous.job")
     import base64
 
-    assert base64.b64decode(stored).startswith(b"ddpkit-hmac-sha256") == (secret is not None)
+    assert base64.b64decode(stored).startswith(b"ddpkit-signed\0\1") == (secret is not None)
     handler.shutdown()
 
 
@@ -223,7 +224,7 @@ def test_with_a_secret_a_forged_state_that_adds_a_node_is_refused(
     holder = state_holder(handler)
     holder.sync()
     signed = base64.b64decode(rendezvous_store.get("torch.rendezvous.job"))
-    at = len(_rendezvous._SIGNED) + _rendezvous._DIGEST + 8  # marker, signature, counter
+    at = SIGNED_HEADER_BYTES + 8  # mark, version, signature, counter
     head, state = signed[:at], pickle.loads(signed[at:])  # the test reads its own store
     state.participants[_NodeDesc("10.9.9.9", 1, 0)] = 1
     forged = pickle.dumps(state)

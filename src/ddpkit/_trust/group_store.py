@@ -16,7 +16,6 @@ same run id.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import os
 import secrets
@@ -32,7 +31,15 @@ import torch.distributed as dist
 from ddpkit._stores import ForwardingStore
 from ddpkit._torch_private import default_store
 from ddpkit._trust.sealed import SealedKeys
-from ddpkit._trust.secret import DIGEST_BYTES, GUIDE, secret_source, tag
+from ddpkit._trust.secret import (
+    GUIDE,
+    SIGNED_HEADER_BYTES,
+    SIGNED_MARK,
+    SignatureError,
+    secret_source,
+    sign,
+    signed_value,
+)
 from ddpkit.errors import GroupProofError
 
 __all__ = [
@@ -220,9 +227,9 @@ def gloo_address(data: bytes) -> str:
 
 
 def member_address(raw: bytes) -> str:
-    """The socket address in a store value that holds a member's gloo address, signed (the digest first: with
-    another secret) or not (a stranger's own); ``""`` when none is found."""
-    return gloo_address(raw[DIGEST_BYTES:]) or gloo_address(raw)
+    """The socket address in a store value that holds a member's gloo address, signed (with another secret) or
+    not (a stranger's own); ``""`` when none is found."""
+    return gloo_address(raw[SIGNED_HEADER_BYTES:] if raw.startswith(SIGNED_MARK) else raw)
 
 
 class SignedStore(ForwardingStore):
@@ -268,29 +275,32 @@ class SignedStore(ForwardingStore):
             if address not in found:
                 found.append(address)
 
-    def _tag(self, key: str, value: bytes) -> bytes:
-        return tag(self._secret, _STORE_PURPOSE, self.context, key, value)
+    def _signed(self, key: str, value: bytes | str) -> bytes:
+        return sign(self._secret, _STORE_PURPOSE, value.encode() if isinstance(value, str) else bytes(value),
+                    self.context, key)  # fmt: skip
 
     def set(self, key: str, value: bytes | str) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
-        self._inner.set(key, self._tag(key, data) + data)
+        self._inner.set(key, self._signed(key, data))
         self._record(key, data)
 
     def get(self, key: str) -> bytes:
         raw = bytes(self._inner.get(key))
-        signature, value = raw[:DIGEST_BYTES], raw[DIGEST_BYTES:]
-        if not hmac.compare_digest(signature, self._tag(key, value)):
+        try:
+            value = signed_value(self._secret, _STORE_PURPOSE, raw, self.context, key)
+        except SignatureError as refused:
             name = self._name_key(key)
             # An address: where it would have sent the group (signed with another secret, or a stranger's own).
             pointed = member_address(raw) if "address" in name else ""
+            another = f" ({refused.reason})" if refused.kind == "version" else ""
             raise GroupProofError(
                 f"{name} in the group's store{f' (it points to {pointed})' if pointed else ''} was not written by a "
-                f"process that holds the job secret ({secret_source()}) for this group: a program that reached the "
-                "store put its own there, or one from an earlier job or group (a replay), or that member runs with "
-                "another secret. The group was not made; nothing of the job's "
+                f"process that holds the job secret ({secret_source()}) for this group{another}: a program that "
+                "reached the store put its own there, or one from an earlier job or group (a replay), or that member "
+                "runs with another secret. The group was not made; nothing of the job's "
                 f"data moved. Give every process of the job the same secret, and keep the job's ports where only "
                 f"the job reaches them; see {GUIDE}"
-            )
+            ) from None
         self._record(key, value)
         return value
 
@@ -298,12 +308,8 @@ class SignedStore(ForwardingStore):
         """torch's ``compare_set`` of signed values: ``expected`` (``""``: the key is absent) and ``desired`` are
         signed as :meth:`set` signs them; the value there afterwards, once its signature verified."""
 
-        def signed(value: bytes | str) -> bytes:
-            data = value.encode() if isinstance(value, str) else bytes(value)
-            return self._tag(key, data) + data
-
-        old = signed(expected) if expected else b""
-        self._inner.compare_set(key, old, signed(desired))
+        old = self._signed(key, expected) if expected else b""
+        self._inner.compare_set(key, old, self._signed(key, desired))
         return self.get(key)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:

@@ -11,7 +11,8 @@ absent, so a stranger's write does nothing; a *private* value (a rank's host
 name, pid and stacks) is also encrypted, so a stranger who reads the store
 learns nothing from it. Without a secret, values are stored as they are.
 
-A signed value carries HMAC-SHA256 over its key's name and the value; a private
+A signed value is in ddpkit's one signed format (:func:`~ddpkit._trust.secret.sign`: a mark, a version byte,
+HMAC-SHA256 over its key's name and the value); a private
 one is sealed with ChaCha20-Poly1305 (the ``cryptography`` package's AEAD, RFC
 8439) under a fresh random 12-byte nonce, its key's name as associated data.
 Both keys are derived with HMAC from the secret and the context. No counter is
@@ -22,8 +23,6 @@ a warning: every rank of a job must run the same ddpkit.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 from typing import Any
@@ -31,15 +30,15 @@ from typing import Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from ddpkit._trust.secret import DIGEST_BYTES, tag
+from ddpkit._trust.secret import SignatureError, sign, signed_value, tag
 
 __all__ = ["SealedKeys"]
 
 log = logging.getLogger(__name__)
 
-_SIGNED = b"ddpkit-signed-key-v1\0"
 _PRIVATE = b"ddpkit-sealed-key-v2\0"
 _OLD_PRIVATE = b"ddpkit-sealed-key-v1\0"  # ddpkit 0.2's SHAKE-256 keystream with HMAC: refused
+_SIGNED_PURPOSE = "ddpkit group key"
 _NONCE_BYTES = 12  # ChaCha20-Poly1305's; random each time (2**-96 a collision)
 _said_old = False  # the old format's warning is given once a process (a stranger could write many)
 
@@ -73,7 +72,7 @@ class SealedKeys:
         if self._sign_key is None or self._seal_key is None:
             return value
         if not private:
-            return _SIGNED + self._mac(b"signed", key, value) + value
+            return sign(self._sign_key, _SIGNED_PURPOSE, value, key)
         nonce = os.urandom(_NONCE_BYTES)
         return _PRIVATE + nonce + self._seal_key.encrypt(nonce, value, _associated(key))
 
@@ -81,9 +80,6 @@ class SealedKeys:
         """The value that :meth:`seal` made for ``key``, or ``None`` when ``stored`` is not one (a stranger's)."""
         if self._sign_key is None or self._seal_key is None:
             return stored
-        if stored.startswith(_SIGNED):
-            signature, value = stored[len(_SIGNED) : len(_SIGNED) + DIGEST_BYTES], stored[len(_SIGNED) + DIGEST_BYTES :]
-            return value if hmac.compare_digest(signature, self._mac(b"signed", key, value)) else None
         if stored.startswith(_PRIVATE):
             nonce, sealed = stored[len(_PRIVATE) : len(_PRIVATE) + _NONCE_BYTES], stored[len(_PRIVATE) + _NONCE_BYTES :]
             try:
@@ -92,7 +88,13 @@ class SealedKeys:
                 return None
         if stored.startswith(_OLD_PRIVATE):
             _say_old_format(key)
-        return None
+            return None
+        try:
+            return signed_value(self._sign_key, _SIGNED_PURPOSE, stored, key)
+        except SignatureError as refused:
+            if refused.kind == "version":
+                _say_old_format(key, "signed by an earlier ddpkit")
+            return None
 
     def put(self, key: str, value: bytes, *, private: bool = False) -> None:
         """Store ``value`` under ``key``, signed (and encrypted when ``private``)."""
@@ -130,11 +132,6 @@ class SealedKeys:
         self.store.set(key, mine)  # a stranger's value: take the key
         return self.read(key) or value
 
-    def _mac(self, kind: bytes, key: str, data: bytes) -> bytes:
-        assert self._sign_key is not None
-        name = key.encode()
-        return hmac.new(self._sign_key, kind + len(name).to_bytes(8, "big") + name + data, hashlib.sha256).digest()
-
 
 def _associated(key: str) -> bytes:
     """What a private value is bound to besides its seal key: its key's name (a copy under another key fails)."""
@@ -142,12 +139,13 @@ def _associated(key: str) -> bytes:
     return b"private" + len(name).to_bytes(8, "big") + name
 
 
-def _say_old_format(key: str) -> None:
+def _say_old_format(key: str, what: str = "sealed by ddpkit 0.2") -> None:
     global _said_old
     if not _said_old:
         _said_old = True
         log.warning(
-            "the value of %r in the group's store was sealed by ddpkit 0.2 (a format no longer read): every rank of a "
-            "job must run the same ddpkit version; the value is ignored",
+            "the value of %r in the group's store was %s (a format no longer read): every rank of a job must run the "
+            "same ddpkit version; the value is ignored",
             key,
+            what,
         )

@@ -32,13 +32,20 @@ __all__ = [
     "GUIDE",
     "MAKE_ONE",
     "MIN_SECRET_BITS",
+    "OLD_SIGNED_MARKS",
     "SECRET_VARIABLE",
+    "SIGNED_HEADER_BYTES",
+    "SIGNED_MARK",
+    "SIGNED_VERSION",
+    "SignatureError",
     "export_job_secret",
     "job_secret",
     "new_job_secret",
     "read_secret_file",
     "secret_bits",
     "secret_source",
+    "sign",
+    "signed_value",
     "tag",
     "use_job_secret",
     "write_secret_file",
@@ -50,6 +57,15 @@ GUIDE = "the documentation's Security page (docs/security.md)"
 SECRET_VARIABLE = "DDPKIT_JOB_SECRET"
 #: Bytes in a tag (HMAC-SHA256).
 DIGEST_BYTES = hashlib.sha256().digest_size
+#: What every value ddpkit signs begins with, then :data:`SIGNED_VERSION` (one byte), the tag, the value.
+SIGNED_MARK = b"ddpkit-signed\0"
+#: The signed values' format: a value of another version is refused, naming both (every process of a job must run
+#: the same ddpkit).
+SIGNED_VERSION = 1
+#: Bytes before a signed value's own: the mark, the version byte, the tag.
+SIGNED_HEADER_BYTES = len(SIGNED_MARK) + 1 + DIGEST_BYTES
+#: How earlier ddpkit releases marked their signed values (three formats), refused as another version's.
+OLD_SIGNED_MARKS = (b"ddpkit-hmac-sha256-v2\0", b"ddpkit-signed-value\0", b"ddpkit-signed-key-v1\0")
 #: The fewest bits of entropy a job secret may have (32 hex digits, or 16 random bytes).
 MIN_SECRET_BITS = 128
 #: The command that makes a good secret file, for messages.
@@ -133,6 +149,49 @@ def tag(secret: bytes, purpose: str, *parts: bytes | str | int) -> bytes:
         data = part if isinstance(part, bytes) else str(part).encode()
         mac.update(len(data).to_bytes(8, "big") + data)
     return mac.digest()
+
+
+def sign(secret: bytes, purpose: str, value: bytes, *bound: bytes | str | int) -> bytes:
+    """``value`` signed: :data:`SIGNED_MARK`, the :data:`SIGNED_VERSION` byte, the :func:`tag` of ``purpose``,
+    the ``bound`` parts (what the value is for: the job, the group, its key) and ``value``, then ``value``. The one
+    format of every signed value ddpkit stores; :func:`signed_value` reads it back."""
+    return SIGNED_MARK + bytes([SIGNED_VERSION]) + tag(secret, purpose, *bound, value) + value
+
+
+class SignatureError(ValueError):
+    """A stored value that :func:`signed_value` refused; :attr:`reason` says why, in words for a message
+    ("it is not signed", ...), :attr:`kind` as a word: ``"unsigned"``, ``"version"`` or ``"mismatch"``."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+def signed_value(secret: bytes, purpose: str, stored: bytes, *bound: bytes | str | int) -> bytes:
+    """The value inside ``stored`` that :func:`sign` made with ``secret``, ``purpose`` and ``bound``.
+
+    Raises:
+        SignatureError: ``stored`` is not a signed value (``kind`` "unsigned"), is one of another format (an older
+            ddpkit's, or another version byte: "version"), or its tag does not verify ("mismatch": another secret,
+            or signed for something else).
+    """
+    if not stored.startswith(SIGNED_MARK):
+        if stored.startswith(OLD_SIGNED_MARKS):
+            raise SignatureError(
+                "version", "it is signed in an earlier ddpkit's format (before signed values had a version byte): "
+                "every process of a job must run the same ddpkit"
+            )  # fmt: skip
+        raise SignatureError("unsigned", "it is not signed")
+    version = stored[len(SIGNED_MARK) : len(SIGNED_MARK) + 1]
+    if version != bytes([SIGNED_VERSION]):
+        raise SignatureError(
+            "version", f"it is signed in format {version[0] if version else '(none)'}, this ddpkit's is "
+            f"{SIGNED_VERSION}: every process of a job must run the same ddpkit"
+        )  # fmt: skip
+    signature, value = stored[len(SIGNED_MARK) + 1 : SIGNED_HEADER_BYTES], stored[SIGNED_HEADER_BYTES:]
+    if not hmac.compare_digest(signature, tag(secret, purpose, *bound, value)):
+        raise SignatureError("mismatch", "its signature does not match")
+    return value
 
 
 def secret_bits(secret: bytes) -> float:

@@ -13,7 +13,6 @@ in this group without sending or receiving any state (the next quorum configures
 from __future__ import annotations
 
 import functools
-import hmac
 import socket
 import threading
 import time
@@ -28,7 +27,15 @@ from ddpkit._torch_private import NAMES, gloo_on_device, module_global_swapped, 
 from ddpkit._trust.channel import Channel, normal
 from ddpkit._trust.group_proof import check_members
 from ddpkit._trust.group_store import SignedStore, member_address
-from ddpkit._trust.secret import DIGEST_BYTES, GUIDE, secret_source, tag
+from ddpkit._trust.secret import (
+    GUIDE,
+    SIGNED_HEADER_BYTES,
+    SIGNED_MARK,
+    SignatureError,
+    secret_source,
+    sign,
+    signed_value,
+)
 from ddpkit.errors import GroupProofError
 from ddpkit.fault_tolerance._torchft import torchft_module
 from ddpkit.fault_tolerance._waits import Watched, Within, reap
@@ -260,8 +267,8 @@ def claim_store(address: str, replica_id: str, secret: bytes, timeout: float = 3
 
     host, port = _host_and_port(address)
     store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
-    signature = tag(secret, _OWNER_PURPOSE, replica_id, normal(f"[{host}]:{port}"))
-    store.set(OWNER_KEY, signature + replica_id.encode())  # type: ignore[arg-type]
+    record = sign(secret, _OWNER_PURPOSE, replica_id.encode(), normal(f"[{host}]:{port}"))
+    store.set(OWNER_KEY, record)  # type: ignore[arg-type]
 
 
 def _host_and_port(address: str) -> tuple[str, int]:
@@ -292,16 +299,19 @@ def check_store_owner(store_addr: str, replica_ids: Sequence[str], secret: bytes
     else:
         why = "it says nothing of its owner"
     if raw:
-        signature, owner = raw[:DIGEST_BYTES], raw[DIGEST_BYTES:].decode(errors="replace")
-        if not hmac.compare_digest(signature, tag(secret, _OWNER_PURPOSE, owner, normal(f"[{host}]:{port}"))):
+        try:
+            owner = signed_value(secret, _OWNER_PURPOSE, raw, normal(f"[{host}]:{port}")).decode(errors="replace")
+        except SignatureError as refused:
+            claimed = raw[SIGNED_HEADER_BYTES:] if raw.startswith(SIGNED_MARK) else raw
             why = (
-                f"its record of its owner ({owner!r}) is not signed with this group's secret for this address: this "
-                "group runs with another secret than the job's, or the record was copied from another store"
+                f"its record of its owner ({claimed.decode(errors='replace')!r}) is not signed with this group's "
+                "secret for this address: this group runs with another secret than the job's, or the record was "
+                "copied from another store" + (f" ({refused.reason})" if refused.kind == "version" else "")
             )
-        elif owner not in replica_ids:
-            why = f"it is the store of {owner!r}, a process that is not in this quorum ({', '.join(replica_ids)})"
         else:
-            return
+            if owner in replica_ids:
+                return
+            why = f"it is the store of {owner!r}, a process that is not in this quorum ({', '.join(replica_ids)})"
     raise GroupProofError(
         f"the quorum's store at {address}, which torchft's lighthouse named, is not the store of a replica group of "
         f"this quorum that holds the job secret ({secret_source()}): {why}. A program that reached the lighthouse "

@@ -27,7 +27,6 @@ it ran or was used.
 
 from __future__ import annotations
 
-import hmac
 import os
 import time
 import warnings
@@ -49,12 +48,15 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from ddpkit._trust.group_store import JOB_ID_VARIABLE
 from ddpkit._trust.secret import (
-    DIGEST_BYTES,
+    OLD_SIGNED_MARKS,
     SECRET_VARIABLE,
+    SIGNED_MARK,
+    SignatureError,
     job_secret,
     new_job_secret,
     secret_source,
-    tag,
+    sign,
+    signed_value,
     use_job_secret,
 )
 from ddpkit.jobs._round_store import SignedRoundStore
@@ -87,11 +89,8 @@ BACKEND = "ddpkit"
 GUIDE = "the documentation's Security page (docs/security.md)"
 #: Seconds an agent waits after its first refusal before it stops (see ``CheckedBackend._refused``).
 PEER_GRACE_S = 3.0
-#: A signed state starts with this, then the 32-byte HMAC-SHA256, the state's 8-byte counter, then torch's pickle.
-_SIGNED = b"ddpkit-hmac-sha256-v2\0"
-_DIGEST = DIGEST_BYTES
-#: A signed value of a round's key, or the job id, starts with this, then the 32-byte HMAC-SHA256, then the value.
-_SIGNED_VALUE = b"ddpkit-signed-value\0"
+# A signed state, a round's key or the job id is in ddpkit's one signed format (``_trust.secret.sign``); a state's
+# value is its 8-byte counter, then torch's pickle.
 #: Scheduler variables that name the job, for a rendezvous id the nodes agree on without being told.
 _JOB_ID_VARIABLES = ("SLURM_JOB_ID", "LSB_JOBID", "PBS_JOBID", "FLUX_JOB_ID", "JOB_ID")
 
@@ -222,20 +221,21 @@ def claim_job(store: Any, run_id: str, endpoint: str, secret: bytes, *, first: b
 
 
 def _seal(secret: bytes, purpose: str, label: str, value: bytes) -> bytes:
-    return _SIGNED_VALUE + tag(secret, purpose, label, value) + value
+    return sign(secret, purpose, value, label)
 
 
-def _unseal(secret: bytes, purpose: str, label: str, stored: bytes) -> bytes:
-    if not stored.startswith(_SIGNED_VALUE):
-        raise _RefusalError(f"it is not signed, and this node has a job secret ({_secret_hint()})")
-    signature = stored[len(_SIGNED_VALUE) : len(_SIGNED_VALUE) + _DIGEST]
-    value = stored[len(_SIGNED_VALUE) + _DIGEST :]
-    if not hmac.compare_digest(signature, tag(secret, purpose, label, value)):
+def _unseal(secret: bytes, purpose: str, label: str, stored: bytes, signed_for: str = "another job or round") -> bytes:
+    """The value in ``stored`` (:func:`_seal`'s), else :class:`_RefusalError` saying why."""
+    try:
+        return signed_value(secret, purpose, stored, label)
+    except SignatureError as refused:
+        if refused.kind == "unsigned":
+            raise _RefusalError(f"it is not signed, and this node has a job secret ({_secret_hint()})") from None
+        if refused.kind == "version":
+            raise _RefusalError(refused.reason) from None
         raise _RefusalError(
-            f"its signature does not match this node's job secret ({_secret_hint()}), or it was signed for "
-            "another job or round"
-        )
-    return value
+            f"its signature does not match this node's job secret ({_secret_hint()}), or it was signed for {signed_for}"
+        ) from None
 
 
 def _secret_hint() -> str:
@@ -335,12 +335,7 @@ class CheckedBackend(RendezvousBackend):
     def _sign(self, state: bytes, counter: int) -> bytes:
         if self._secret is None:
             return state
-        count = counter.to_bytes(8, "big")
-        return _SIGNED + self._digest(count, state) + count + state
-
-    def _digest(self, count: bytes, state: bytes) -> bytes:
-        assert self._secret is not None
-        return tag(self._secret, "state", self._job, self._run_id, count, state)
+        return _seal(self._secret, "state", f"{self._job.hex()}/{self._run_id}", counter.to_bytes(8, "big") + state)
 
     def _admit(self, stored: bytes) -> bytes:
         """The pickle inside ``stored`` once it passed; else :class:`StateRefusedError`."""
@@ -352,7 +347,7 @@ class CheckedBackend(RendezvousBackend):
         return state
 
     def _verified(self, stored: bytes) -> bytes:
-        signed = stored.startswith(_SIGNED)
+        signed = stored.startswith((SIGNED_MARK, *OLD_SIGNED_MARKS))
         if self._secret is None:
             if signed:
                 raise _RefusalError(
@@ -360,20 +355,8 @@ class CheckedBackend(RendezvousBackend):
                     "every node, or pass the same `ddpkit run --secret-file`)"
                 )
             return stored
-        if not signed:
-            raise _RefusalError(f"it is not signed, and this node has a job secret ({_secret_hint()})")
-        at = len(_SIGNED)
-        signature, count, state = (
-            stored[at : at + _DIGEST],
-            stored[at + _DIGEST : at + _DIGEST + 8],
-            stored[at + _DIGEST + 8 :],
-        )
-        if not hmac.compare_digest(signature, self._digest(count, state)):
-            raise _RefusalError(
-                f"its signature does not match this node's job secret ({_secret_hint()}), or it was signed for "
-                "another job"
-            )
-        counter = int.from_bytes(count, "big")
+        value = _unseal(self._secret, "state", f"{self._job.hex()}/{self._run_id}", stored, "another job")
+        counter, state = int.from_bytes(value[:8], "big"), value[8:]
         if counter < self._highest:
             raise _RefusalError(
                 f"it is an older state of this job, replayed (its counter is {counter}; this node has read "
