@@ -188,6 +188,63 @@ def test_an_async_checkpoint_is_written_while_the_next_steps_train(
     assert again.global_step == 6, "the failure came out at the next checkpoint (the epoch's end), not at once"
 
 
+def test_an_async_checkpoint_holds_the_weights_of_its_step_though_they_are_copied_while_the_next_one_trains(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """checkpoint_async copies the parameters and the optimizer's state in its thread, during the next step's
+    forward and backward: with that thread late by 0.3 s, the next optimizer step waits for the copy, so step 3's
+    checkpoint holds step 3's weights and momentum (not step 4's), and the run's weights are those of a run
+    without checkpoints."""
+    import time
+
+    from ddpkit.training import TrainState
+    from ddpkit.training._async_save import AsyncWrites
+
+    train, _ = digits_datasets(seed=0)
+    real_write, real_save = AsyncWrites._write, TrainState.save
+
+    def late_write(self: AsyncWrites, *args: Any) -> None:
+        time.sleep(0.3)
+        real_write(self, *args)
+
+    at_step: dict[int, dict[str, Any]] = {}
+    written: dict[int, dict[str, Any]] = {}
+
+    class Weights(Callback):
+        def on_batch_end(self, train_loop: Any) -> None:
+            state = {k: v.clone() for k, v in train_loop.model.state_dict().items()}
+            momentum = train_loop.optimizer.state_dict()["state"]
+            at_step[train_loop.global_step] = {**state, "momentum": momentum[0]["momentum_buffer"].clone()}
+
+    def kept_save(self: TrainState, path: Any) -> None:
+        momentum = self.optimizer["state"][0]["momentum_buffer"]
+        written[self.global_step] = {**{k: v.clone() for k, v in self.model.items()}, "momentum": momentum.clone()}
+        real_save(self, path)
+
+    monkeypatch.setattr(AsyncWrites, "_write", late_write)
+    monkeypatch.setattr(TrainState, "save", kept_save)
+
+    def fit(checkpoints: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = _model()
+        loop = TrainLoop(model, DataLoader(train, batch_size=256), progress=False,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         checkpoint_dir=tmp_path if checkpoints else None, checkpoint_every=3,
+                         checkpoint_async=True)  # fmt: skip
+        loop.fit(1, callbacks=[Weights()])
+        return model
+
+    plain = fit(False).state_dict()
+    model = fit(True)
+    assert sorted(written) == [3, 6]
+    for step in (3, 6):
+        for name, value in written[step].items():
+            assert torch.equal(value, at_step[step][name]), f"step {step}'s checkpoint holds {name} of step {step}"
+    assert not torch.equal(written[3]["0.weight"], at_step[4]["0.weight"]), "a step changes the weights"
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, plain[name]), "the run trained as one without checkpoints"
+
+
 # --- failures inside the loop -------------------------------------------------------------------------------
 
 

@@ -186,6 +186,7 @@ class TrainingRun(RunCheckpoints):
                 for batch in step.batches():
                     self.train_batch(batch, step, previous)
                     previous = time.perf_counter()
+                self._writes.staged()  # an asynchronous checkpoint's copy of the weights is made before they change
                 committed = step.commit()
                 if state.epoch != epoch:  # the commit put the run in another epoch: it begins here
                     if bar is not None:
@@ -199,6 +200,7 @@ class TrainingRun(RunCheckpoints):
         finally:
             if bar is not None:
                 bar.close()
+        self._writes.staged()  # before the epoch's end (its callbacks may change the weights)
         totals = driver.epoch_totals()  # its one read of the device: the work queued is done when it returns
         if stopped:
             self._stop_in_epoch(totals, time.perf_counter() - began, driver)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
 from tqdm import tqdm
 
 from ddpkit.checkpoint import CHECKPOINT_FILE, sharded_name
@@ -45,7 +47,8 @@ class RunCheckpoints:
         if self.loop.checkpoint_async:
             self._writes.finish()  # one write at a time: the copy of this one waits until the last one is on disk
             state = self.capture(position, directory=directory, asynchronous=True)
-            self._writes.start(state, directory / CHECKPOINT_FILE, self.loop.plugin.take_pending_write())
+            self._writes.start(state, directory / CHECKPOINT_FILE, self.loop.plugin.take_pending_write(),
+                               later=_stepped_tensors(self.loop.model, self.loop.optimizer))  # fmt: skip
         else:
             self.capture(position, directory=directory).write(directory / CHECKPOINT_FILE)
 
@@ -134,3 +137,10 @@ def check_shared(directory: Path) -> None:
             "directory that every node sees, or a run resumed from one would go on on some ranks and start over on "
             "others: put checkpoint_dir on a shared file system (NFS, Lustre, a mounted bucket)"
         )
+
+
+def _stepped_tensors(model: nn.Module, optimizer: Optimizer) -> set[int]:
+    """The ``data_ptr`` of each plain CPU tensor that only an optimizer step changes: ``model``'s parameters and
+    ``optimizer``'s state (an asynchronous checkpoint copies them while the next step's batches run)."""
+    tensors = [*model.parameters(), *(v for state in optimizer.state.values() for v in state.values())]
+    return {t.data_ptr() for t in tensors if type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu"}
