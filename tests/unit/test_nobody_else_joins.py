@@ -200,6 +200,7 @@ def test_the_address_in_a_members_store_value_is_read_from_gloos_layout_not_from
     assert member_address(_GLOO_ADDRESS) == "127.0.0.1:35779", "a stranger's own, unsigned"
     signed = sign(os.urandom(32), "ddpkit group store", _GLOO_ADDRESS, "group", "key")
     assert member_address(signed) == "127.0.0.1:35779", "signed with another secret"
+    assert member_address(os.urandom(32) + _GLOO_ADDRESS) == "127.0.0.1:35779", "signed by an earlier ddpkit"
     earlier = _GLOO_ADDRESS[18 : 18 + 136]  # the sockaddr_storage first, as gloo wrote it before torch 2.13
     assert gloo_address(earlier) == "127.0.0.1:35779"
     assert gloo_address(b"not an address") == ""

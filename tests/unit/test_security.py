@@ -134,7 +134,7 @@ def test_a_rendezvous_of_real_agents_passes_the_check(
     stored = rendezvous_store.get("torch.rendezvous.job")
     import base64
 
-    assert base64.b64decode(stored).startswith(b"ddpkit-signed\0\1") == (secret is not None)
+    assert base64.b64decode(stored).startswith(b"ddpkit-hmac-sha256") == (secret is not None)
     handler.shutdown()
 
 

@@ -44,6 +44,9 @@ def test_a_signed_value_reads_back_only_with_its_secret_purpose_and_bound_parts(
     assert stored[: len(SIGNED_MARK) + 1] == SIGNED_MARK + bytes([SIGNED_VERSION])
     assert len(stored) == SIGNED_HEADER_BYTES + len(b"value")
     assert signed_value(SECRET, "purpose", stored, "group", 3) == b"value"
+    # The rendezvous's names for the layout, as tests that take a signed state apart read them.
+    assert len(_rendezvous._SIGNED) + _rendezvous._DIGEST == SIGNED_HEADER_BYTES
+    assert stored.startswith(_rendezvous._SIGNED_VALUE)
     for secret, purpose, bound in (
         (b"another secret of enough length, 0123456789", "purpose", ("group", 3)),
         (SECRET, "another purpose", ("group", 3)),
@@ -136,6 +139,6 @@ def test_only_the_secret_module_makes_a_tag_or_writes_the_signed_format() -> Non
     makers = sorted(
         str(path.relative_to(SRC))
         for path in SRC.rglob("*.py")
-        if path.name != "secret.py" and re.search(r"hmac\.new|hmac\.digest|ddpkit-signed", path.read_text())
+        if path.name != "secret.py" and re.search(r"hmac\.new|hmac\.digest|ddpkit-(signed|hmac)", path.read_text())
     )
     assert makers == []

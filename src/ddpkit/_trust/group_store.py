@@ -32,6 +32,7 @@ from ddpkit._stores import ForwardingStore
 from ddpkit._torch_private import default_store
 from ddpkit._trust.sealed import SealedKeys
 from ddpkit._trust.secret import (
+    DIGEST_BYTES,
     GUIDE,
     SIGNED_HEADER_BYTES,
     SIGNED_MARK,
@@ -227,9 +228,12 @@ def gloo_address(data: bytes) -> str:
 
 
 def member_address(raw: bytes) -> str:
-    """The socket address in a store value that holds a member's gloo address, signed (with another secret) or
-    not (a stranger's own); ``""`` when none is found."""
-    return gloo_address(raw[SIGNED_HEADER_BYTES:] if raw.startswith(SIGNED_MARK) else raw)
+    """The socket address in a store value that holds a member's gloo address, signed (with another secret; by an
+    earlier ddpkit, whose value was the tag, then the address) or not (a stranger's own); ``""`` when none is
+    found."""
+    if raw.startswith(SIGNED_MARK):
+        return gloo_address(raw[SIGNED_HEADER_BYTES:])
+    return gloo_address(raw[DIGEST_BYTES:]) or gloo_address(raw)
 
 
 class SignedStore(ForwardingStore):

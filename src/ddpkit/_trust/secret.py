@@ -58,7 +58,7 @@ SECRET_VARIABLE = "DDPKIT_JOB_SECRET"
 #: Bytes in a tag (HMAC-SHA256).
 DIGEST_BYTES = hashlib.sha256().digest_size
 #: What every value ddpkit signs begins with, then :data:`SIGNED_VERSION` (one byte), the tag, the value.
-SIGNED_MARK = b"ddpkit-signed\0"
+SIGNED_MARK = b"ddpkit-hmac-sha256\0"
 #: The signed values' format: a value of another version is refused, naming both (every process of a job must run
 #: the same ddpkit).
 SIGNED_VERSION = 1

@@ -48,9 +48,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from ddpkit._trust.group_store import JOB_ID_VARIABLE
 from ddpkit._trust.secret import (
+    DIGEST_BYTES,
     OLD_SIGNED_MARKS,
     SECRET_VARIABLE,
     SIGNED_MARK,
+    SIGNED_VERSION,
     SignatureError,
     job_secret,
     new_job_secret,
@@ -90,7 +92,10 @@ GUIDE = "the documentation's Security page (docs/security.md)"
 #: Seconds an agent waits after its first refusal before it stops (see ``CheckedBackend._refused``).
 PEER_GRACE_S = 3.0
 # A signed state, a round's key or the job id is in ddpkit's one signed format (``_trust.secret.sign``); a state's
-# value is its 8-byte counter, then torch's pickle.
+# value is its 8-byte counter, then torch's pickle. What a signed value begins with, and its tag's length: the
+# signature's end is at ``len(_SIGNED) + _DIGEST`` (these names are read by tests that take a signed state apart).
+_SIGNED = _SIGNED_VALUE = SIGNED_MARK + bytes([SIGNED_VERSION])
+_DIGEST = DIGEST_BYTES
 #: Scheduler variables that name the job, for a rendezvous id the nodes agree on without being told.
 _JOB_ID_VARIABLES = ("SLURM_JOB_ID", "LSB_JOBID", "PBS_JOBID", "FLUX_JOB_ID", "JOB_ID")
 
