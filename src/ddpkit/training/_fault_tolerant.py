@@ -257,18 +257,19 @@ class FaultTolerantSteps:
         buffers = numeric_buffers(model)
         members = self._members  # the quorum's names, sorted (noted when its batches were dealt)
         riding, head = self._riding(step, own, buffers)
-        # Views of riding: their means over the participants once it has been averaged.
-        mean_norms, mean_sums, mean_tokens, mean_flags, mean_times, mean_buffers = torch.split(
-            riding, [2, 2, 1, 2, len(members), riding.numel() - head]
-        )
-        job_sums, job_tokens = torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         # A sharded model's norms are this rank's shards': compared with the same rank of the other groups only.
         sharded = loop.plugin.forwards_together
-        if group.average_gradients(model.parameters(), also=riding, sharded=sharded, own=2 if sharded else 0):
-            job_sums = mean_sums * (participants * self.ranks)  # their mean over every rank of them -> their sum
-            job_tokens = mean_tokens * (participants * self.ranks)
-            if index is not None:
-                check_same_weights(str(self.settings.replica_id), own, mean_norms, state.global_step + 1)
+        averaged = group.average_gradients(model.parameters(), also=riding, sharded=sharded, own=2 if sharded else 0)
+        # The numbers that rode, now their means over the participants, read at once: the weights' norms (2), the
+        # loss sums (2), the tokens (1), SLURM's flags (2), each group's time per batch; then the buffers.
+        means = riding[:head].tolist()
+        mean_norms, mean_sums, mean_tokens, mean_flags, mean_times = (
+            means[0:2], means[2:4], means[4], means[5:7], means[7:head]
+        )  # fmt: skip
+        if not averaged:  # the step fails (commit says so): no sums of the job's come from it
+            mean_sums, mean_tokens = [0.0, 0.0], 0.0
+        elif index is not None:
+            check_same_weights(str(self.settings.replica_id), own, mean_norms, state.global_step + 1)
         if not group.commit():  # a recovering group takes its peer's state in it (load_state_dict)
             loop.optimizer.zero_grad(set_to_none=True)
             state.failed_steps += 1
@@ -279,10 +280,11 @@ class FaultTolerantSteps:
             )  # fmt: skip
             return NotCommitted.AGAIN
         # Every group takes the participants' mean of the buffers, as DDP makes every rank's the same.
-        with torch.no_grad():
-            for buffer, mean in zip(buffers, torch.split(mean_buffers, [b.numel() for b in buffers]), strict=True):
-                buffer.copy_((mean if buffer.is_floating_point() else mean.round()).view_as(buffer))
-        for name, seconds in zip(members, (mean_times * participants).tolist(), strict=True):
+        if buffers:
+            with torch.no_grad():
+                for buffer, mean in zip(buffers, torch.split(riding[head:], [b.numel() for b in buffers]), strict=True):
+                    buffer.copy_((mean if buffer.is_floating_point() else mean.round()).view_as(buffer))
+        for name, seconds in zip(members, (mean * participants for mean in mean_times), strict=True):
             if seconds > 0:  # a group that trained a share in this step
                 total, steps = self._times.get(name, (0.0, 0))
                 self._times[name] = (total + seconds, steps + 1)
@@ -291,8 +293,9 @@ class FaultTolerantSteps:
         self._writing_group = index == 0
         self._writer = self._writing_group and self.rank == 0
         signal = loop.preemption.signal_of(mean_flags)
-        loss_sum, items = job_sums.tolist()
-        job = LossSums.summed(loss_sum, items, float(job_tokens[0]))  # the epoch's totals count these
+        workers = participants * self.ranks  # the sums' mean over every rank of the participants -> their sum
+        loss_sum, items = mean_sums[0] * workers, mean_sums[1] * workers
+        job = LossSums.summed(loss_sum, items, mean_tokens * workers)  # the epoch's totals count these
         return CommittedStep(self.position, step.counted, signal, {"replica_groups": float(participants)}, job)
 
     def _riding(self, step: _QuorumStep, own: list[float], buffers: list[torch.Tensor]) -> tuple[torch.Tensor, int]:

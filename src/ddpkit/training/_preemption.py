@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -124,9 +124,10 @@ class PreemptionHandler:
         return torch.tensor([float(received == sig) for sig in PREEMPTION_SIGNALS], dtype=torch.float64)
 
     @staticmethod
-    def signal_of(flags: torch.Tensor) -> int:
-        """The signal that :meth:`received_flags`, averaged, says some group received (0: none)."""
-        return next((int(sig) for sig, flag in zip(PREEMPTION_SIGNALS, flags.tolist(), strict=True) if flag > 0), 0)
+    def signal_of(flags: Sequence[float]) -> int:
+        """The signal that :meth:`received_flags`, averaged (and read as numbers), says some group received (0:
+        none)."""
+        return next((int(sig) for sig, flag in zip(PREEMPTION_SIGNALS, flags, strict=True) if flag > 0), 0)
 
     def stop(self, signum: int, step: int, checkpoint: str, *, leader: bool | None = None) -> None:
         """Requeue (the leader, if asked), say so, and raise :class:`Preempted` (every rank).

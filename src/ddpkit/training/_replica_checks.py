@@ -37,7 +37,7 @@ def weight_norms(model: torch.nn.Module) -> list[float]:
     return [l1, l2]
 
 
-def check_same_weights(replica_id: str, own: list[float], mean: torch.Tensor, step: int) -> None:
+def check_same_weights(replica_id: str, own: list[float], mean: list[float], step: int) -> None:
     """Raise when replica group ``replica_id``'s weights are not the quorum's at ``step``: ``own`` (the L1 norm and
     squared L2 norm of this rank's parameters, or of its shards) against their ``mean`` over the same rank of the
     participants (float32 after the all-reduce).
@@ -45,7 +45,7 @@ def check_same_weights(replica_id: str, own: list[float], mean: torch.Tensor, st
     Raises:
         DDPKitError: they differ by more than 1e-5 (relative); every group of the quorum raises.
     """
-    means = mean.tolist()
+    means = mean
     own32 = torch.tensor(own, dtype=torch.float32).tolist()  # as the all-reduce carried them
     if all(abs(m - o) <= 1e-5 * max(abs(o), 1.0) for m, o in zip(means, own32, strict=True)):
         return
