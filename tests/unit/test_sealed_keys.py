@@ -124,6 +124,29 @@ def test_a_groups_id_is_rank_0s_fresh_one_and_one_written_back_from_an_earlier_g
         assert "could not be agreed in its store at 127.0.0.1:1: rank 0 found a value written back" in str(second[rank])
 
 
+def test_a_rank_whose_store_goes_away_just_as_its_answer_is_there_says_rank_0_stopped(store: dist.Store) -> None:
+    """Rank 0 refuses a replayed store and stops, taking the store with it, between another rank's wait for its
+    answer and its read: that rank says the store went away (not a raw connection error)."""
+    from ddpkit import GroupProofError
+    from ddpkit._trust.group_store import agree_on_group_id
+
+    class GoneAfterWait:
+        def __init__(self, inner: dist.Store) -> None:
+            self.inner = inner
+
+        def set(self, key: str, value: bytes) -> None:
+            self.inner.set(key, value)
+
+        def wait(self, keys: list[str], timeout: timedelta) -> None:
+            """The answer is there."""
+
+        def check(self, keys: list[str]) -> bool:
+            raise dist.DistNetworkError("Connection reset by peer")
+
+    with pytest.raises(GroupProofError, match="the store went away before rank 0 answered: rank 0 stopped"):
+        agree_on_group_id(GoneAfterWait(store), 1, 2, "ctx", SECRET, 5.0, "127.0.0.1:1")
+
+
 def test_private_values_are_sealed_with_chacha20_poly1305_and_the_old_format_is_refused_once_with_a_warning(
     store: dist.Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -167,7 +167,10 @@ def _wait_for(
         except Exception:  # the store went away (with rank 0, which hosted it)
             return b"gone"
         else:
-            value = keys.read(key)
+            try:
+                value = keys.read(key)
+            except Exception:  # it went away since (rank 0 refused the store and stopped): its message says why
+                return b"gone"
             if value is not None and accept(value):
                 return value
             time.sleep(0.05)  # there, but a stranger's (or an earlier one): look again
