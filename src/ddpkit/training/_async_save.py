@@ -37,24 +37,25 @@ class _Staging:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
         self._used = 0
-        self._later: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def copy(self, value: Any, later: Collection[int] = ()) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
         """``value`` with every tensor copied (sharing nothing with the live state), but for the CPU tensors whose
         ``data_ptr`` is in ``later``: their buffers, and the ``(buffer, tensor)`` pairs to copy later."""
-        self._used, self._later = 0, []
-        return self._copy(value, later), self._later
+        self._used = 0
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        return self._copy(value, later, pending), pending
 
-    def _copy(self, value: Any, later: Collection[int]) -> Any:
+    def _copy(self, value: Any, later: Collection[int], pending: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         if isinstance(value, torch.Tensor):
-            return self._tensor(value.detach(), later)
+            return self._tensor(value.detach(), later, pending)
         if isinstance(value, dict):
-            return {key: self._copy(item, later) for key, item in value.items()}
+            return {key: self._copy(item, later, pending) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(self._copy(item, later) for item in value)
+            return type(value)(self._copy(item, later, pending) for item in value)
         return value
 
-    def _tensor(self, tensor: torch.Tensor, later: Collection[int]) -> torch.Tensor:
+    def _tensor(self, tensor: torch.Tensor, later: Collection[int], pending: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:  # fmt: skip
         index, self._used = self._used, self._used + 1
         pinned = tensor.device.type != "cpu"
         if index < len(self._buffers):
@@ -65,7 +66,7 @@ class _Staging:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
             self._buffers.append(buffer)
         if not pinned and tensor.numel() and tensor.data_ptr() in later:
-            self._later.append((buffer, tensor))
+            pending.append((buffer, tensor))
             return buffer
         return buffer.copy_(tensor, non_blocking=pinned)
 
