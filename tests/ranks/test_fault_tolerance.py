@@ -69,7 +69,7 @@ def test_a_fault_tolerant_trainloop_loads_ahead_with_the_training_loaders_worker
 _PAIR_SECRET = "a secret of this test, the same on both ranks"
 
 
-def _one_group_of_two_ranks(lighthouse: str, checkpoint_dir: str, sharded: bool
+def _one_group_of_two_ranks(lighthouse: str, checkpoint_dir: str, sharded: bool, samples: int
                             ) -> tuple[dict[str, torch.Tensor], list[float], float]:  # fmt: skip
     import os
 
@@ -80,7 +80,7 @@ def _one_group_of_two_ranks(lighthouse: str, checkpoint_dir: str, sharded: bool
 
     os.environ[SECRET_VARIABLE] = _PAIR_SECRET
     try:
-        loop = digits_loop(16, samples=481, global_batch_size=64, checkpoint_dir=checkpoint_dir,
+        loop = digits_loop(16, samples=samples, global_batch_size=64, checkpoint_dir=checkpoint_dir,
                            fault_tolerance=TorchFT(lighthouse, "pair", timeout=10),
                            plugin=FSDPPlugin() if sharded else DDPPlugin())  # fmt: skip
         history = loop.fit(2)
@@ -91,24 +91,26 @@ def _one_group_of_two_ranks(lighthouse: str, checkpoint_dir: str, sharded: bool
     return loop.full_state_dict(), history["train_loss"], held
 
 
-@pytest.mark.parametrize("plugin", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("plugin", "samples"), [("ddp", 481), ("fsdp", 481), ("ddp", 449)])
 def test_a_replica_group_of_two_ranks_trains_as_one_process_and_writes_its_checkpoint(
-    plugin: str, tmp_path: Path
+    plugin: str, samples: int, tmp_path: Path
 ) -> None:
     """A replica group of both ranks of a process group (each step's share dealt over its ranks, averaged over
     them and over the quorum): the weights and losses of one process with the same global batch, and the
     checkpoint written by the group's ranks together (rank 0 writes). With FSDPPlugin each rank holds half of the
     weights, and the epoch's last step (33 items: 2 batches on rank 0, 1 on rank 1) runs a batch that counts
-    nothing on rank 1, whose forward and backward take part in the sharded model's collectives."""
+    nothing on rank 1, whose forward and backward take part in the sharded model's collectives. With 449 items the
+    epoch's last step has one: rank 1 has no item in it and takes part with zero gradients (it failed to load an
+    empty batch before)."""
     from ddpkit.testing import run_parallel
     from ddpkit.training import TrainState
     from tests.builders import digits_loop
 
     with serve_lighthouse("127.0.0.1", min_replicas=1, secret=_PAIR_SECRET.encode()) as lighthouse:
         (weights, losses, held), (weights_1, losses_1, held_1) = run_parallel(
-            _one_group_of_two_ranks, lighthouse.address, str(tmp_path), plugin == "fsdp", timeout=90
+            _one_group_of_two_ranks, lighthouse.address, str(tmp_path), plugin == "fsdp", samples, timeout=90
         )
-    reference = digits_loop(16, samples=481, global_batch_size=64)
+    reference = digits_loop(16, samples=samples, global_batch_size=64)
     expected = reference.fit(2)["train_loss"]
     assert losses == losses_1 == pytest.approx(expected, rel=1e-6)
     assert (held, held_1) == ((0.5, 0.5) if plugin == "fsdp" else (1.0, 1.0))

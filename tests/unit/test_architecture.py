@@ -324,5 +324,5 @@ def test_both_drivers_deal_by_one_rule_and_count_the_epoch_in_one_accumulator() 
             if isinstance(node, ast.ImportFrom) and node.module == "ddpkit.training._deal":
                 users[path.name] = {alias.name for alias in node.names}
     assert {"batch_seed", "step_divisor"} <= users.get("_steps.py", set()), users
-    assert {"batch_seed", "step_divisor", "shares"} <= users.get("_fault_tolerant.py", set()), users
+    assert {"batch_seed", "step_divisor", "share_sizes"} <= users.get("_fault_tolerant.py", set()), users
     assert "shares" in users.get("_ahead.py", set()), users

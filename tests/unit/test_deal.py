@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import SequentialSampler
 
 from ddpkit.samplers import DistributedSamplerWrapper
-from ddpkit.training._deal import batch_seed, first_position, shares, step_divisor
+from ddpkit.training._deal import batch_seed, first_position, share_sizes, shares, step_divisor
 from ddpkit.training._steps import GlobalBatch
 
 
@@ -43,3 +43,19 @@ def test_a_ranks_sampler_in_a_global_batch_deals_what_a_quorum_deals_its_worker(
                 assert plan.divisor(index) == step_divisor(len(step), len(chunk), world_size)
                 index += 1
         assert index == len(batches)
+
+
+@pytest.mark.parametrize("step_items", [0, 1, 7, 64, 83])
+@pytest.mark.parametrize(("workers", "batch"), [(1, 8), (2, 4), (3, 4), (5, 2), (9, 3)])
+def test_share_sizes_are_the_sizes_of_the_shares_batches(step_items: int, workers: int, batch: int) -> None:
+    step = torch.arange(100, 100 + step_items)
+    for worker in range(workers):
+        assert share_sizes(step_items, workers, worker, batch) == [len(b) for b in shares(step, workers, worker, batch)]
+
+
+def test_batch_seeds_are_63_bit_and_differ_with_each_of_seed_epoch_and_position() -> None:
+    seeds = {batch_seed(seed, epoch, first) for seed in (0, 1, 2**64 + 5) for epoch in range(4) for first in range(50)}
+    assert len(seeds) == 3 * 4 * 50  # no two alike
+    assert all(0 <= seed < 2**63 for seed in seeds)
+    assert batch_seed(-1, 0, 0) == batch_seed(2**64 - 1, 0, 0)  # each taken modulo 2**64
+    assert batch_seed(3, 2, 10) == batch_seed(3, 2, 10)

@@ -30,8 +30,7 @@ from ddpkit.environments import CLUSTER_ENV_VARIABLE
 from ddpkit.environments.replica_group import GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE, REPLICA_ID_VARIABLE
 from ddpkit.errors import PortTakenError, RendezvousFailedError
 from ddpkit.fault_tolerance._lighthouse import Lighthouse, serve_lighthouse
-from ddpkit.fault_tolerance._replica import local_address
-from ddpkit.fault_tolerance._torchft import bracketed, url_host
+from ddpkit.fault_tolerance._torchft import bracketed, local_address, url_host
 
 __all__ = [
     "Child",

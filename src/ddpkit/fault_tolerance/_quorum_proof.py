@@ -159,10 +159,10 @@ class _Proving(_TorchftGloo):  # type: ignore[misc]
             return work
         doomed, rank = self._doomed, int(self._rank_in_group)
         try:
-            future = work.get_future()
+            work.get_future()
         except RuntimeError:  # gloo's send and recv (a recovering group's state) have none: waited as they are
             return work
-        return Watched(work, future, lambda: doomed(rank))
+        return Watched(work, lambda: doomed(rank))
 
     def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
         if self._secret is not None and world_size > 1:

@@ -13,13 +13,11 @@ import torch
 from torch import nn
 
 from ddpkit._gradients import reduce_gradients
-from ddpkit._stores import release_store, route_address, serve_store
+from ddpkit._stores import release_store, serve_store
 from ddpkit._trust.group_store import SignedStore
 from ddpkit._trust.secret import GUIDE, SECRET_VARIABLE, job_secret
 from ddpkit.collectives.objects import broadcast_object
 from ddpkit.connection import group_context
-from ddpkit.environments.base import is_loopback
-from ddpkit.errors import RendezvousFailedError
 from ddpkit.fault_tolerance._healing import TensorTransport
 from ddpkit.fault_tolerance._manager import SeenQuorum, client_recording, manager_server_on, signed_group_store
 from ddpkit.fault_tolerance._quorum_proof import claim_store, proven_gloo
@@ -32,7 +30,7 @@ from ddpkit.fault_tolerance._record import (
     UnsignedRecordError,
     record_address,
 )
-from ddpkit.fault_tolerance._torchft import bracketed, torchft_module, url_host
+from ddpkit.fault_tolerance._torchft import bracketed, local_address, torchft_module
 from ddpkit.fault_tolerance._torchft_log import first_line, quiet_torchft
 from ddpkit.process_group import get_rank, get_world_size
 
@@ -129,6 +127,7 @@ class ReplicaGroup:
             _warn_without_secret()
         #: The last quorum this group's client took: its replica ids (``NAME:uuid``) and highest step.
         self._seen = SeenQuorum()
+        self._quorum: tuple[int, int | None, int | None] | None = None  # this step's (participants, rank, index)
         #: Why the last step was not committed, as far as this group saw (``Type: message``), else ``None``.
         self.failure: str | None = None
         self._replica_id, self._quorum_timeout = replica_id, quorum_timeout
@@ -217,31 +216,39 @@ class ReplicaGroup:
         """Steps committed so far (a recovering group takes its peers' count)."""
         return int(self._manager.current_step())
 
+    def _facts(self) -> tuple[int, int | None, int | None]:
+        """The step's quorum: its participants, this group's participating rank and its index (``None`` while it
+        recovers), asked of torchft once a step (each of its questions waits for the quorum again)."""
+        if self._quorum is None:
+            count, rank = int(self._manager.num_participants()), self._manager.participating_rank()
+            index = None if rank is None or not self._manager.is_participating() else int(rank)
+            self._quorum = (count, rank, index)
+        return self._quorum
+
     @property
     def participants(self) -> int:
         """Replica groups in the current step's quorum (waits for the quorum)."""
-        return int(self._manager.num_participants())
+        return self._facts()[0]
 
     @property
     def participant_index(self) -> int | None:
         """This group's index among the quorum's participants, ``None`` while it is recovering (waits for the
         quorum). At the job's first quorum every group but one recovers from that one (torchft's ``init_sync``)
         and still counts in :attr:`participants`: their gradients are zeros in that step's average."""
-        rank = self._manager.participating_rank()
-        return None if rank is None or not self._manager.is_participating() else int(rank)
+        return self._facts()[2]
 
     @property
     def members(self) -> tuple[str, ...]:
         """The replica ids of the current step's quorum, recovering groups included, sorted (waits for the
         quorum)."""
-        self._manager.wait_quorum()
+        self._facts()
         return tuple(sorted(group_name(i) for i in self._seen.ids))
 
     @property
     def member_processes(self) -> tuple[str, ...]:
         """The current step's quorum as torchft names its members, ``NAME:uuid`` with a new uuid each time a
         group's process starts, sorted (waits for the quorum): a group started again shows here."""
-        self._manager.wait_quorum()
+        self._facts()
         return tuple(sorted(self._seen.ids))
 
     def start_step(self) -> None:
@@ -252,6 +259,7 @@ class ReplicaGroup:
         Raises:
             JobEnded: (from the properties that wait for the quorum) the job finished, or cannot go on.
         """
+        self._quorum = None
         self._manager.start_quorum()
 
     def average_gradients(self, parameters: Iterable[nn.Parameter], also: torch.Tensor | None = None, *,
@@ -297,7 +305,7 @@ class ReplicaGroup:
         error = self._manager.errored()
         self.failure = None if error is None else first_line(error.original_exception)
         committed = bool(self._manager.should_commit())
-        if committed and self._judge is not None and self._manager.participating_rank() == 0:
+        if committed and self._judge is not None and self._facts()[1] == 0:
             self._record.note_commit(self._judge.generation, self.step, tuple(self._seen.ids))
         return committed
 
@@ -333,24 +341,6 @@ def _warn_without_secret() -> None:
         RuntimeWarning,
         stacklevel=4,
     )
-
-
-def local_address(lighthouse: str) -> str:
-    """Where a group's servers listen: loopback with a lighthouse on loopback, else this machine's address on its
-    route to the lighthouse.
-
-    Raises:
-        RendezvousFailedError: no route from this machine to the lighthouse's host.
-    """
-    host = url_host(lighthouse)
-    if is_loopback(host):
-        return "127.0.0.1"
-    address = route_address(host)
-    if address is None:
-        raise RendezvousFailedError(
-            f"no route from this machine to the lighthouse at {lighthouse}: check its address and the network"
-        )
-    return address
 
 
 def _read_key(store: Any | tuple[str, int | None], key: str) -> bytes:

@@ -1,10 +1,14 @@
-"""torchft, imported when first needed, with the fix in the error when it is missing."""
+"""torchft, imported when first needed, with the fix in the error when it is missing; the addresses of its servers."""
 
 from __future__ import annotations
 
 import importlib
 import os
 from types import ModuleType
+
+from ddpkit._stores import route_address
+from ddpkit.environments.base import is_loopback
+from ddpkit.errors import RendezvousFailedError
 
 
 def torchft_module(name: str = "torchft") -> ModuleType:
@@ -38,3 +42,21 @@ def url_host(address: str) -> str:
 def bracketed(address: str) -> str:
     """An IPv6 address in brackets, for ``host:port``; others as they are."""
     return f"[{address}]" if ":" in address else address
+
+
+def local_address(lighthouse: str) -> str:
+    """Where a group's servers listen: loopback with a lighthouse on loopback, else this machine's address on its
+    route to the lighthouse.
+
+    Raises:
+        RendezvousFailedError: no route from this machine to the lighthouse's host.
+    """
+    host = url_host(lighthouse)
+    if is_loopback(host):
+        return "127.0.0.1"
+    address = route_address(host)
+    if address is None:
+        raise RendezvousFailedError(
+            f"no route from this machine to the lighthouse at {lighthouse}: check its address and the network"
+        )
+    return address

@@ -83,28 +83,32 @@ class Watched(torch.distributed.Work):
     :data:`WATCH_AFTER_S` seconds it asks ``doomed()`` every 0.1 s, and raises its reason (torchft then fails the
     step, as for any error of the group) instead of waiting the group's timeout for a member that stopped (SIGSTOP,
     a machine that froze: its connections stay open and gloo waits) or for others that went on without this group.
-    The collective itself runs on in gloo's thread until its timeout; nothing waits for it."""
+    The collective itself runs on in gloo's thread until its timeout; nothing waits for it.
 
-    def __init__(self, work: Any, future: Any, doomed: Callable[[], str | None]) -> None:
+    The waits are the collective's own, with a timeout (torch's ``Work.wait(timeout)``, whose "timed out" leaves
+    the collective running): a collective that completes in time costs one wait, as unwatched."""
+
+    def __init__(self, work: Any, doomed: Callable[[], str | None]) -> None:
         super().__init__()
         self._work, self._doomed = work, doomed
-        self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         began = time.monotonic()
         limit = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
-        while not self._done.wait(0.1):
+        span = WATCH_AFTER_S if limit is None else min(WATCH_AFTER_S, limit)
+        while True:
+            try:
+                return bool(self._work.wait(timedelta(seconds=span)))
+            except RuntimeError:
+                if self._work.is_completed():  # it failed, or completed as it timed out: its own wait says which
+                    return bool(self._work.wait())
             waited = time.monotonic() - began
-            if limit is not None and waited > limit:
+            if limit is not None and waited >= limit:
                 break  # the collective's own wait raises its timeout
-            if waited > WATCH_AFTER_S and (why := self._doomed()) is not None:
+            if waited >= WATCH_AFTER_S and (why := self._doomed()) is not None:
                 raise RuntimeError(f"the quorum's collective cannot complete: {why}")
-        return bool(
-            self._work.wait()
-            if limit is None
-            else self._work.wait(timedelta(seconds=0.001 + max(0.0, limit - (time.monotonic() - began))))
-        )
+            span = 0.1 if limit is None else max(0.001, min(0.1, limit - waited))
+        return bool(self._work.wait(timedelta(seconds=0.001)))
 
     def get_future(self) -> Any:
         return self._work.get_future()

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddpkit.loaders import extract_loader_parameters
-from ddpkit.training._deal import shares
+from ddpkit.training._deal import share_sizes, shares
 
 __all__ = ["ShareLoader"]
 
@@ -82,10 +82,10 @@ class ShareLoader:
         else:
             self.ahead += 1
         assert self._iterator is not None
-        step = self._order(epoch)[low : low + self.size]
+        step_items = min(self.size, len(self._order(epoch)) - low)
         self._next = (epoch, low + self.size, participants, index)
         iterator = self._iterator
-        return (next(iterator) for _ in shares(step, participants, index, self.batch_size))
+        return (next(iterator) for _ in share_sizes(step_items, participants, index, self.batch_size))
 
     def _start(self, epoch: int, low: int, participants: int, index: int) -> None:
         """Plan the shares from position ``low`` to the end of ``epoch`` with this deal, and start loading."""

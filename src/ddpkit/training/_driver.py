@@ -8,6 +8,7 @@ rank's steps hold and how their gradients are reduced and committed.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class LossSums:
     """One rank's loss sum and item count in an optimizer step, kept as its batches' mean losses (tensors left on
     their device) and item counts, and summed only when asked for: counting a batch runs no tensor operation."""
 
-    __slots__ = ("_tensor", "items", "losses", "tokens")
+    __slots__ = ("_tensor", "host_loss", "items", "losses", "tokens")
 
     def __init__(self) -> None:
         #: ``(mean loss, items)`` of each counted batch (the loss detached, on its device).
@@ -107,6 +108,8 @@ class LossSums:
         self.items = 0.0
         #: Tokens counted, in all (a tensor on the device when the loop's ``tokens_fn`` gives tensors).
         self.tokens: float | torch.Tensor = 0.0
+        #: A loss sum already on the host, besides :attr:`losses` (:meth:`summed`'s).
+        self.host_loss = 0.0
         self._tensor: torch.Tensor | None = None
 
     def add(self, mean_loss: torch.Tensor, items: float, tokens: float | torch.Tensor = 0.0) -> None:
@@ -124,23 +127,37 @@ class LossSums:
         """Sums already made (every replica group's in a fault-tolerant step, which rode with its gradients): a
         loss sum of ``loss_sum`` over ``items`` items and ``tokens`` tokens, on the CPU."""
         sums = cls()
-        if items:
-            sums.losses.append((torch.tensor(loss_sum, dtype=torch.float64), 1.0))
-        sums.items, sums.tokens = items, tokens
+        sums.host_loss, sums.items, sums.tokens = loss_sum if items else 0.0, items, tokens
         return sums
+
+    def host_sums(self) -> list[float]:
+        """The loss sum, the item count and the tokens, as numbers on the host: one read of the device (the losses
+        and a tokens tensor stacked), or none without a batch."""
+        tensors = [loss for loss, _ in self.losses]
+        counted = isinstance(self.tokens, torch.Tensor)
+        if isinstance(self.tokens, torch.Tensor):
+            on = self.tokens.reshape(())  # 0-d, like the losses
+            tensors.append(on.to(tensors[0].device) if tensors else on)
+        values = torch.stack(tensors).tolist() if len(tensors) > 1 else [tensor.item() for tensor in tensors]
+        tokens = values.pop() if counted else self.tokens
+        loss_sum = math.fsum([self.host_loss, *(value * items for value, (_, items) in zip(values, self.losses,
+                                                                                            strict=True))])  # fmt: skip
+        return [loss_sum, self.items, float(tokens)]
 
     def add_loss_to(self, total: torch.Tensor) -> None:
         """Add the loss sum to ``total`` (a 0-d float64 tensor on the losses' device), in place: one tensor
         operation a batch."""
         for loss, items in self.losses:
             total.add_(loss, alpha=items)
+        if self.host_loss:
+            total.add_(self.host_loss)
 
     def tensor(self) -> torch.Tensor:
         """``(2,)`` float64: the loss sum and the item count, on the losses' device (CPU without a batch); made
         once, when first asked for (nothing is read back to the host)."""
         if self._tensor is None:
             if not self.losses:
-                self._tensor = torch.tensor([0.0, self.items], dtype=torch.float64)
+                self._tensor = torch.tensor([self.host_loss, self.items], dtype=torch.float64)
             else:
                 total = torch.zeros(2, dtype=torch.float64, device=self.losses[0][0].device)
                 self.add_loss_to(total[0])

@@ -37,7 +37,7 @@ from ddpkit.fault_tolerance._quorums import JobEnded, group_name
 from ddpkit.process_group import get_rank, get_world_size
 from ddpkit.samplers import DistributedSamplerWrapper
 from ddpkit.training._ahead import ShareLoader
-from ddpkit.training._deal import batch_seed, first_position, shares, step_divisor
+from ddpkit.training._deal import batch_seed, first_position, share_sizes, step_divisor
 from ddpkit.training._driver import (
     Batch,
     Budget,
@@ -224,10 +224,9 @@ class FaultTolerantSteps:
             self._orders[epoch] = torch.as_tensor(list(self.dealer), dtype=torch.int64)
         return self._orders[epoch]
 
-    def share(self, step: torch.Tensor, epoch: int, low: int, participants: int, index: int | None
-              ) -> Iterator[Batch]:  # fmt: skip
-        """The batches of this rank's share of participant ``index``'s share of ``step`` (dataset indices from
-        position ``low`` of ``epoch``) among ``participants``; none for ``None``. Each batch's loss (a mean
+    def share(self, step_items: int, epoch: int, low: int, participants: int, index: int | None) -> Iterator[Batch]:
+        """The batches of this rank's share of participant ``index``'s share of the step of ``step_items`` items
+        from position ``low`` of ``epoch`` among ``participants``; none for ``None``. Each batch's loss (a mean
         over its items) is scaled by ``items * W / step items`` (``W``: every rank of every participant).
 
         A sharded model (every forward a collective of the group's ranks) runs as many batches on each rank of
@@ -236,15 +235,15 @@ class FaultTolerantSteps:
         if index is None:
             return
         workers, worker = participants * self.ranks, index * self.ranks + self.rank  # this rank as a worker
-        chunks = shares(step, workers, worker, self.batch_size)
+        sizes = share_sizes(step_items, workers, worker, self.batch_size)
         loaded = self.data.share(epoch, low, workers, worker)
         together = self.loop.plugin.forwards_together
-        count = len(shares(step, workers, index * self.ranks, self.batch_size)) if together else len(chunks)
-        for number, (chunk, data) in enumerate(zip(chunks, loaded, strict=True)):
+        count = len(share_sizes(step_items, workers, index * self.ranks, self.batch_size)) if together else len(sizes)
+        for number, (size, data) in enumerate(zip(sizes, loaded, strict=True)):
             seed = batch_seed(self.loop.seed, epoch, first_position(low, workers, worker, number, self.batch_size))
-            yield Batch(data, 1.0 / step_divisor(len(step), len(chunk), workers), seed=seed,
+            yield Batch(data, 1.0 / step_divisor(step_items, size, workers), seed=seed,
                         synced=together and number == count - 1, index=low // self.size)  # fmt: skip
-        for number in range(len(chunks), count):  # a sharded model's: batches that count nothing
+        for number in range(len(sizes), count):  # a sharded model's: batches that count nothing
             yield Batch(self.run.epochs.source.first_batch(), 0.0, 0.0, synced=number == count - 1,
                         index=low // self.size)  # fmt: skip
 
@@ -308,15 +307,7 @@ class FaultTolerantSteps:
         if index is not None and self.settings.replica_id in members:
             times[members.index(self.settings.replica_id)] = step.busy / max(1, step.trained)
         flags = loop.preemption.received_flags()
-        # The step's one read: torchft's commit waits for the step's collectives anyway.
-        counted = step.sums
-        tokens = step.counted.tokens
-        if isinstance(tokens, torch.Tensor):
-            counted = torch.cat([counted, tokens.to(counted.device).reshape(1)])
-        sums = counted.cpu().tolist()
-        if not isinstance(tokens, torch.Tensor):
-            sums.append(tokens)
-        head = torch.tensor([*own, *sums, *flags.tolist(), *times], dtype=torch.float64)
+        head = torch.tensor([*own, *step.counted.host_sums(), *flags, *times], dtype=torch.float64)
         mine = [b.detach().reshape(-1).double().cpu() for b in buffers] if index is not None else []
         if index is None and buffers:  # a recovering group adds zeros
             mine = [torch.zeros(sum(b.numel() for b in buffers), dtype=torch.float64)]
@@ -359,7 +350,7 @@ class _QuorumStep(Step):
         loop, state = driver.loop, driver.loop.state
         group.start_step()  # the quorum forms while this group computes the share it had in the last step
         epoch, low = state.epoch, driver.position
-        items = driver._order(epoch)[low : low + driver.size]
+        items = min(driver.size, len(driver._order(epoch)) - low)  # the step's
         # No zero_grad: the epoch began with none, and every step leaves none (taken, not committed, the first).
         guess = driver.last_deal
         if guess is not None:

@@ -117,11 +117,11 @@ class PreemptionHandler:
         previous[0].wait()
         return int(previous[1].tolist()[0])  # a CPU tensor, reduced a step ago: no wait for any device
 
-    def received_flags(self) -> torch.Tensor:
-        """``(2,)`` float64: whether this process received SIGUSR1, SIGTERM (zeros when not watching). A
+    def received_flags(self) -> list[float]:
+        """Whether this process received SIGUSR1, SIGTERM: two numbers, 1.0 or 0.0 (zeros when not watching). A
         fault-tolerant step averages them over its groups: a non-zero mean is a signal some group received."""
         received = self.received if self.active else 0
-        return torch.tensor([float(received == sig) for sig in PREEMPTION_SIGNALS], dtype=torch.float64)
+        return [float(received == sig) for sig in PREEMPTION_SIGNALS]
 
     @staticmethod
     def signal_of(flags: Sequence[float]) -> int:

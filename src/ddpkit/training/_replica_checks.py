@@ -3,6 +3,9 @@ step, and the weights' norms they compare after a commit."""
 
 from __future__ import annotations
 
+import math
+from array import array
+
 import torch
 
 from ddpkit._gradients import local_tensor
@@ -19,9 +22,9 @@ def numeric_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def weight_norms(model: torch.nn.Module) -> list[float]:
-    """The L1 norm and the squared L2 norm of ``model``'s parameters (each parameter's norms in its dtype, summed in
-    float64; both orders' norms in one ``stack`` per device, read back once). A sharded parameter counts as
-    its local shard: compared with the same rank of the other replica groups, which holds the same shard."""
+    """The L1 norm and the squared L2 norm of ``model``'s parameters (each parameter's norms in its dtype, read back
+    in one ``stack`` per device and summed in float64 on the host). A sharded parameter counts as its local shard:
+    compared with the same rank of the other replica groups, which holds the same shard."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for parameter in model.parameters():
         local = local_tensor(parameter.detach())
@@ -30,10 +33,9 @@ def weight_norms(model: torch.nn.Module) -> list[float]:
     foreach_norm = private("foreach_norm")
     with torch.no_grad():
         for tensors in per_device.values():
-            count = len(tensors)
-            norms = torch.stack([*foreach_norm(tensors, 1), *foreach_norm(tensors, 2)]).double()
-            sums = torch.stack([norms[:count].sum(), norms[count:].square().sum()]).tolist()
-            l1, l2 = l1 + sums[0], l2 + sums[1]
+            norms = torch.stack(foreach_norm(tensors, 1) + foreach_norm(tensors, 2)).tolist()
+            l1 += math.fsum(norms[: len(tensors)])
+            l2 += math.fsum(norm * norm for norm in norms[len(tensors) :])
     return [l1, l2]
 
 
@@ -46,7 +48,7 @@ def check_same_weights(replica_id: str, own: list[float], mean: list[float], ste
         DDPKitError: they differ by more than 1e-5 (relative); every group of the quorum raises.
     """
     means = mean
-    own32 = torch.tensor(own, dtype=torch.float32).tolist()  # as the all-reduce carried them
+    own32 = array("f", own).tolist()  # as the all-reduce carried them (float32)
     if all(abs(m - o) <= 1e-5 * max(abs(o), 1.0) for m, o in zip(means, own32, strict=True)):
         return
     raise DDPKitError(

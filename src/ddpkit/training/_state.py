@@ -1,11 +1,9 @@
 """Where a ``TrainLoop`` run stands: :class:`RunState` (owned by the loop) and :class:`TrainState` (a checkpoint).
 
-``TrainLoop`` keeps everything that changes while it trains in one
-:class:`RunState`; its public attributes ``epoch``, ``global_step``,
-``history``, ``step_loss`` and ``should_stop`` are that state's fields
-(:class:`RunField`). A checkpoint is a :class:`TrainState`: the run state,
-the weights, the optimizer, the callbacks' states and every rank's random
-state. To add a field to ``TrainLoop``'s checkpoints, add it to
+``TrainLoop`` keeps everything that changes while it trains in one :class:`RunState`; its public attributes
+``epoch``, ``global_step``, ``history``, ``step_loss`` and ``should_stop`` are that state's fields
+(:class:`RunField`). A checkpoint is a :class:`TrainState`: the run state, the weights, the optimizer, the
+callbacks' states and every rank's random state. To add a field to ``TrainLoop``'s checkpoints, add it to
 :class:`TrainState` (and bump its version if old checkpoints lack it).
 """
 
@@ -114,6 +112,7 @@ class RunState:
     _epoch_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
     _pending: list[tuple[torch.Tensor, float]] = field(default_factory=list, init=False, repr=False)  # not added yet
     _epoch_items: float = field(default=0.0, init=False, repr=False)
+    _host_loss: float = field(default=0.0, init=False, repr=False)  # of the epoch's loss sum: what came as a number
     _last_step: LossSums = field(default_factory=LossSums, init=False, repr=False)
     # The epoch's tokens (a float, or a float64 tensor on the device: the loop's tokens_fn), as _epoch_items.
     _epoch_tokens: float | torch.Tensor = field(default=0.0, init=False, repr=False)
@@ -132,6 +131,7 @@ class RunState:
         sums = torch.zeros(2, dtype=torch.float64, device=None if self._epoch_loss is None else self._epoch_loss.device)
         if self._epoch_loss is not None:
             sums[0].copy_(self._epoch_loss)
+        sums[0].add_(self._host_loss)
         sums[1].fill_(self._epoch_items)
         return sums
 
@@ -151,7 +151,7 @@ class RunState:
 
     def reset_epoch_sums(self) -> None:
         """Forget the epoch's loss sums (:attr:`epoch_sums` becomes zeros)."""
-        self._epoch_loss, self._epoch_items, self._epoch_tokens = None, 0.0, 0.0
+        self._epoch_loss, self._epoch_items, self._epoch_tokens, self._host_loss = None, 0.0, 0.0, 0.0
         self._pending = []
 
     def _add_pending(self) -> None:
@@ -184,6 +184,7 @@ class RunState:
         self._last_step = sums
         counted = sums if job_sums is None else job_sums
         self._pending.extend(counted.losses)
+        self._host_loss += counted.host_loss
         if len(self._pending) >= _PENDING:
             self._add_pending()
         self._epoch_items += counted.items
