@@ -5,10 +5,13 @@ local shard: rank ``r`` of one replica group with rank ``r`` of the others, whic
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+
+from ddpkit._torch_private import private
 
 
 def reduce_gradients(
@@ -41,8 +44,7 @@ def reduce_gradients(
             return False
         sizes = [grad.numel() for grad in grads]
         pieces = torch.split(flat, [*sizes, flat.numel() - sum(sizes)])
-        for grad, part in zip(grads, pieces, strict=False):
-            grad.copy_(part.view_as(grad))
+        private("foreach_copy_")(grads, [part.view_as(grad) for grad, part in zip(grads, pieces, strict=False)])
         if riding is not None:
             riding.copy_(pieces[-1])
             riding = None
@@ -54,6 +56,5 @@ def reduce_gradients(
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s local part: its shard on this rank for a ``DTensor`` (a view that writes through), else
     ``tensor`` itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    tensors = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor was made
+    return tensor.to_local() if tensors is not None and isinstance(tensor, tensors.DTensor) else tensor

@@ -106,6 +106,9 @@ NAMES: dict[str, PrivateName] = {
     "foreach_norm": PrivateName(
         "torch", "_foreach_norm", "the weights' norms every replica group checks after a fault-tolerant commit",
     ),
+    "foreach_copy_": PrivateName(
+        "torch", "_foreach_copy_", "the reduced gradients copied back into the parameters' gradients in one operation",
+    ),
     "checkpoint_wrapper": PrivateName(
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper",
         "activation checkpointing (activation_checkpointing_policy), as torchtitan and Lightning apply it",

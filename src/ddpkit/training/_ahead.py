@@ -82,7 +82,7 @@ class ShareLoader:
         else:
             self.ahead += 1
         assert self._iterator is not None
-        step_items = min(self.size, len(self._order(epoch)) - low)
+        step_items = min(self.size, int(self._order(epoch).shape[0]) - low)
         self._next = (epoch, low + self.size, participants, index)
         iterator = self._iterator
         return (next(iterator) for _ in share_sizes(step_items, participants, index, self.batch_size))

@@ -107,6 +107,9 @@ class FaultTolerantSteps:
         self._group: ReplicaGroup | None = None
         self._budget: Budget | None = None  # the fit's, once its epochs began
         self._orders: dict[int, torch.Tensor] = {}
+        # The model's parameters and numeric buffers, taken as each epoch begins (as DDP takes them once).
+        self._parameters: list[torch.nn.Parameter] = []
+        self._buffers: list[torch.Tensor] = []
         self._members: tuple[str, ...] = ()
         self._processes: tuple[str, ...] = ()
         self._writer = False  # whether this is rank 0 of participant 0 of the last committed step
@@ -203,7 +206,8 @@ class FaultTolerantSteps:
         self.position, self._budget = position, budget
         self._times = {}
         self.loop.optimizer.zero_grad(set_to_none=True)  # then each step leaves none (taken, or not committed)
-        while self.position < len(self._order(self.loop.state.epoch)):
+        self._parameters, self._buffers = list(self.loop.model.parameters()), numeric_buffers(self.loop.model)
+        while self.position < self._items(self.loop.state.epoch):
             yield _QuorumStep(self, self._group)
 
     def epoch_totals(self) -> EpochTotals:
@@ -215,6 +219,10 @@ class FaultTolerantSteps:
         sums = state.epoch_sums.cpu()  # every group's: the steps' job_sums
         tokens = float(state.epoch_tokens) if self.loop.tokens_fn is not None else None
         return EpochTotals(state.epoch_loss(sums), float(sums[1]), [peak_memory(self.loop.device)], tokens)
+
+    def _items(self, epoch: int) -> int:
+        """Entries in epoch ``epoch``'s global order."""
+        return int(self._order(epoch).shape[0])
 
     def _order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s global order (dataset indices), the same in every group."""
@@ -250,15 +258,15 @@ class FaultTolerantSteps:
     def commit(self, group: ReplicaGroup, step: _QuorumStep) -> CommittedStep | NotCommitted:
         """Average ``step``'s gradients over the quorum's participants with what rides with them, and commit;
         ``NotCommitted.AGAIN`` when it was not (the next quorum does it again)."""
-        loop, state, model = self.loop, self.loop.state, self.loop.model
+        loop, state = self.loop, self.loop.state
         participants, index = step.deal
-        own = weight_norms(model) if index is not None else [0.0, 0.0]
-        buffers = numeric_buffers(model)
+        own = weight_norms(self._parameters) if index is not None else [0.0, 0.0]
+        buffers = self._buffers
         members = self._members  # the quorum's names, sorted (noted when its batches were dealt)
         riding, head = self._riding(step, own, buffers)
         # A sharded model's norms are this rank's shards': compared with the same rank of the other groups only.
         sharded = loop.plugin.forwards_together
-        averaged = group.average_gradients(model.parameters(), also=riding, sharded=sharded, own=2 if sharded else 0)
+        averaged = group.average_gradients(self._parameters, also=riding, sharded=sharded, own=2 if sharded else 0)
         # The numbers that rode, now their means over the participants, read at once: the weights' norms (2), the
         # loss sums (2), the tokens (1), SLURM's flags (2), each group's time per batch; then the buffers.
         means = riding[:head].tolist()
@@ -288,7 +296,7 @@ class FaultTolerantSteps:
                 total, steps = self._times.get(name, (0.0, 0))
                 self._times[name] = (total + seconds, steps + 1)
         # A recovering group took its peer's state in commit(): the step's size is that of the peer's position.
-        self.position += min(self.size, len(self._order(state.epoch)) - self.position)
+        self.position += min(self.size, self._items(state.epoch) - self.position)
         self._writing_group = index == 0
         self._writer = self._writing_group and self.rank == 0
         signal = loop.preemption.signal_of(mean_flags)
@@ -316,6 +324,8 @@ class FaultTolerantSteps:
     def _note_members(self, processes: tuple[str, ...], step: int) -> None:
         """Log who left, joined or was started again since the last step's quorum, in one line from the group's
         rank 0 (``processes``: the quorum's ``NAME:uuid`` ids, a new uuid for each process of a group)."""
+        if processes == self._processes:  # the last step's quorum
+            return
         now = {group_name(process): process for process in processes}
         before = {group_name(process): process for process in self._processes}
         if before and now != before and self.rank == 0:
@@ -350,7 +360,7 @@ class _QuorumStep(Step):
         loop, state = driver.loop, driver.loop.state
         group.start_step()  # the quorum forms while this group computes the share it had in the last step
         epoch, low = state.epoch, driver.position
-        items = min(driver.size, len(driver._order(epoch)) - low)  # the step's
+        items = min(driver.size, driver._items(epoch) - low)  # the step's
         # No zero_grad: the epoch began with none, and every step leaves none (taken, not committed, the first).
         guess = driver.last_deal
         if guess is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Iterable
 
 import torch
 
@@ -21,13 +22,13 @@ def numeric_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     return [buffer for buffer in model.buffers() if buffer.dtype != torch.bool and not buffer.is_complex()]
 
 
-def weight_norms(model: torch.nn.Module) -> list[float]:
-    """The L1 norm and the squared L2 norm of ``model``'s parameters (each parameter's norms in its dtype, read back
-    in one ``stack`` per device and summed in float64 on the host). A sharded parameter counts as its local shard:
-    compared with the same rank of the other replica groups, which holds the same shard."""
+def weight_norms(parameters: Iterable[torch.Tensor]) -> list[float]:
+    """The L1 norm and the squared L2 norm of ``parameters`` (a model's; each parameter's norms in its dtype, read
+    back in one ``stack`` per device and summed in float64 on the host). A sharded parameter counts as its local
+    shard: compared with the same rank of the other replica groups, which holds the same shard."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for parameter in model.parameters():
-        local = local_tensor(parameter.detach())
+    for parameter in parameters:
+        local = local_tensor(parameter)  # no graph: the norms are taken under no_grad
         per_device.setdefault(local.device, []).append(local)
     l1 = l2 = 0.0
     foreach_norm = private("foreach_norm")
